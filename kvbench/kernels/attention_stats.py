@@ -1,0 +1,79 @@
+"""Attention over ragged per-head caches, and the attention statistics methods declare, chunk by chunk.
+
+Never materialises the (queries x keys) matrix of a whole prompt: queries are processed in chunks of
+``chunk`` rows, so memory is O(chunk * T) per head while column sums accumulate exactly.
+
+Masking rule (the same for prefill, suffix chunks and decode): query i of sample b attends to slot s of
+head h iff the slot is real and its original position is <= the query's position. Padding queries
+(position < 0) produce zero output and contribute nothing to the statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def attention_mask(key_valid: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
+    """(B, H_kv, Q, T) bool from key_valid/key_pos (B, H_kv, T) and query_pos (B, Q)."""
+    q = query_pos.view(query_pos.shape[0], 1, -1, 1)
+    return key_valid.unsqueeze(2) & (key_pos.unsqueeze(2) <= q) & (q >= 0)
+
+
+def ragged_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor | None,
+    key_valid: Tensor,
+    key_pos: Tensor,
+    query_pos: Tensor,
+    scaling: float,
+    window: int = 0,
+    want_column_sums: bool = False,
+    want_step: bool = False,
+    chunk: int = 512,
+) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """Masked softmax attention with optional statistics.
+
+    query: (B, H_q, Q, D); keys/values: (B, H_kv, T, D); H_q a multiple of H_kv (GQA groups).
+    Returns (output (B, H_q, Q, D) or None when values is None, stats) where stats may hold
+    "column_sums", "window_column_sums" (over the last ``window`` real queries) and "step_attention"
+    (attention of the last query), each (B, H_kv, T), averaged over the query heads of a group, in float32.
+    """
+    B, Hq, Q, D = query.shape
+    Hkv, T = keys.shape[1], keys.shape[2]
+    group = Hq // Hkv
+    n_real = (query_pos >= 0).sum(-1)  # (B,)
+    # rank of each query counted from the end among real queries (left padding comes first)
+    from_end = n_real.view(B, 1) - 1 - (torch.arange(Q, device=query.device).view(1, Q) - (Q - n_real.view(B, 1)))
+    out = None if values is None else query.new_empty(B, Hq, Q, values.shape[-1])
+    col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums else None
+    win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
+    step = None
+    k_rep = keys.float().repeat_interleave(group, dim=1)
+    v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
+    for start in range(0, Q, chunk):
+        stop = min(Q, start + chunk)
+        mask = attention_mask(key_valid, key_pos, query_pos[:, start:stop])  # (B, Hkv, c, T)
+        mask = mask.repeat_interleave(group, dim=1)
+        logits = torch.matmul(query[:, :, start:stop].float(), k_rep.transpose(-1, -2)) * scaling
+        logits = logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries -> 0
+        if out is not None:
+            out[:, :, start:stop] = torch.matmul(probs, v_rep).to(out.dtype)
+        grouped = probs.view(B, Hkv, group, stop - start, T).mean(2)  # (B, Hkv, c, T)
+        if col is not None:
+            col += grouped.sum(2)
+        if win is not None:
+            in_window = (from_end[:, start:stop] < window) & (from_end[:, start:stop] >= 0)
+            win += (grouped * in_window.view(B, 1, -1, 1)).sum(2)
+        if want_step and stop == Q:
+            step = grouped[:, :, -1]
+    stats: dict[str, Tensor] = {}
+    if col is not None:
+        stats["column_sums"] = col
+    if win is not None:
+        stats["window_column_sums"] = win
+    if step is not None:
+        stats["step_attention"] = step
+    return out, stats

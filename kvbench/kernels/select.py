@@ -1,0 +1,72 @@
+"""Score-based slot selection shared by every eviction method: protected sinks + recent window + top-k.
+
+All functions work on left-aligned ragged rows (see ``kvbench.kv.LayerKV``): row ``(b, h)`` has
+``lengths[b, h]`` real slots; slots ``[0, sinks)`` are the oldest tokens and ``[len - recent, len)`` the newest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def protected_mask(lengths: Tensor, capacity: int, sinks: int, recent: int) -> Tensor:
+    """(B, H, T) bool: the first ``sinks`` and last ``recent`` real slots of each row."""
+    slots = torch.arange(capacity, device=lengths.device).view(1, 1, -1)
+    length = lengths.unsqueeze(-1)
+    return (slots < min(sinks, capacity)) | ((slots >= length - recent) & (slots < length))
+
+
+def keep_topk(
+    scores: Tensor, n_keep: Tensor, lengths: Tensor, sinks: int = 0, recent: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Pick which slots each row keeps.
+
+    scores:  (B, H, T) higher = more important; padding slots are ignored.
+    n_keep:  (B, H) slots to keep per row (rows shorter than that keep everything).
+    Protected slots (sinks, recent) are kept first; the rest of the budget goes to the highest scores.
+    If the protected slots alone exceed ``n_keep`` the most recent of them win, then the sinks.
+
+    Returns (index, new_lengths): index (B, H, K) of kept slots in original order, padded with the
+    row's last kept slot past ``new_lengths``; K = max(new_lengths).
+    """
+    B, H, T = scores.shape
+    n_keep = torch.minimum(n_keep.to(lengths), lengths)
+    slots = torch.arange(T, device=scores.device).view(1, 1, -1)
+    valid = slots < lengths.unsqueeze(-1)
+    recent_mask = (slots >= lengths.unsqueeze(-1) - recent) & valid
+    sink_mask = (slots < sinks) & valid & ~recent_mask
+    # Priority tiers: recent window > sinks > scored tokens; ties inside the score tier by score.
+    big = torch.finfo(torch.float32).max / 4
+    prio = scores.float().clamp(min=-big / 2, max=big / 2)
+    prio = torch.where(sink_mask, torch.full_like(prio, big), prio)
+    prio = torch.where(recent_mask, torch.full_like(prio, 2 * big) + slots.float(), prio)
+    prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
+    k = int(n_keep.max()) if n_keep.numel() else 0
+    top = prio.topk(k, dim=-1).indices if k > 0 else prio.new_zeros((B, H, 0), dtype=torch.long)
+    # Entries past a row's n_keep are not kept: push them to the end, then restore original order.
+    rank = torch.arange(k, device=scores.device).view(1, 1, -1)
+    keep = rank < n_keep.unsqueeze(-1)
+    top = torch.where(keep, top, torch.full_like(top, T))
+    index = top.sort(dim=-1).values
+    last = index.gather(-1, (n_keep - 1).clamp(min=0).unsqueeze(-1))
+    index = torch.where(index >= T, last, index)
+    return index, n_keep
+
+
+def pool1d(scores: Tensor, kernel_size: int, mode: str = "max") -> Tensor:
+    """Same-length 1-D pooling along the last axis (SnapKV/EMS clustering of scores); odd kernels only."""
+    if kernel_size <= 1:
+        return scores
+    if kernel_size % 2 == 0:
+        raise ValueError(f"pooling kernel_size={kernel_size} must be odd")
+    shape = scores.shape
+    flat = scores.reshape(-1, 1, shape[-1]).float()
+    pad = kernel_size // 2
+    if mode == "max":
+        out = torch.nn.functional.max_pool1d(flat, kernel_size, stride=1, padding=pad)
+    elif mode == "mean":
+        out = torch.nn.functional.avg_pool1d(flat, kernel_size, stride=1, padding=pad, count_include_pad=False)
+    else:
+        raise ValueError(f"pooling mode '{mode}'; accepted: max, mean")
+    return out.reshape(shape).to(scores.dtype)

@@ -1,0 +1,159 @@
+"""The data a method sees and returns: one layer's ragged per-head KV storage, and attention statistics.
+
+Storage is *padded + lengths*, left-aligned: row ``(b, h)`` holds ``lengths[b, h]`` real slots at indices
+``[0, lengths[b, h])`` in original order; slots past the length are padding that attention never reads.
+Tensors keep ``num_key_value_heads`` heads (never the repeated GQA heads), so compression really shrinks
+the stored tensors: after a method returns, the storage is re-allocated at the new maximum length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache.
+
+    keys, values: (B, H_kv, T, D), post-RoPE keys as the model cached them.
+    positions:    (B, H_kv, T) long, the original token index of each slot (a merged slot keeps its pivot's).
+    lengths:      (B, H_kv) long, number of real slots per row.
+    state:        name -> (B, H_kv, T) per-slot method state (accumulated attention, merge mass, ...);
+                  it moves with its slot on every gather and new slots start at zero.
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    lengths: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def valid(self) -> Tensor:
+        """(B, H, T) bool: True on real slots."""
+        slots = torch.arange(self.capacity, device=self.keys.device)
+        return slots.view(1, 1, -1) < self.lengths.unsqueeze(-1)
+
+    def is_dense(self) -> bool:
+        """All rows full to the same length: attention needs no per-head mask."""
+        return bool((self.lengths == self.capacity).all())
+
+    def gather(self, index: Tensor, lengths: Tensor) -> "LayerKV":
+        """Keep slots ``index`` (B, H, K) of every row; entries at or past ``lengths`` (B, H) are padding.
+
+        Every kept slot carries its key, value, position and state along; the result is allocated at K slots.
+        """
+        idx = index.clamp(min=0)
+        d_idx = idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        kv = LayerKV(
+            keys=self.keys.gather(2, d_idx),
+            values=self.values.gather(2, d_idx),
+            positions=self.positions.gather(2, idx),
+            lengths=lengths.to(self.lengths),
+            state={name: s.gather(2, idx) for name, s in self.state.items()},
+        )
+        kv.zero_padding()
+        return kv
+
+    def zero_padding(self) -> None:
+        """Clear padding slots so that stale data can never leak into a later computation."""
+        pad = ~self.valid()
+        self.keys.masked_fill_(pad.unsqueeze(-1), 0)
+        self.values.masked_fill_(pad.unsqueeze(-1), 0)
+        self.positions.masked_fill_(pad, -1)
+        for s in self.state.values():
+            s.masked_fill_(pad, 0)
+
+    def trimmed(self) -> "LayerKV":
+        """A copy whose storage is exactly ``max_length`` slots long (drops trailing padding)."""
+        t = self.max_length
+        return LayerKV(
+            keys=self.keys[:, :, :t].contiguous(),
+            values=self.values[:, :, :t].contiguous(),
+            positions=self.positions[:, :, :t].contiguous(),
+            lengths=self.lengths.clone(),
+            state={name: s[:, :, :t].contiguous() for name, s in self.state.items()},
+        )
+
+    def reserve(self, extra: int) -> None:
+        """Grow the storage so that ``extra`` more slots fit in every row without re-allocation."""
+        need = self.max_length + extra
+        if need <= self.capacity:
+            return
+        grow = need - self.capacity
+
+        def pad(t: Tensor, value: float) -> Tensor:
+            shape = list(t.shape)
+            shape[2] = grow
+            return torch.cat([t, t.new_full(shape, value)], dim=2)
+
+        self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
+        self.positions = pad(self.positions, -1)
+        self.state = {name: pad(s, 0) for name, s in self.state.items()}
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Write q new tokens (B, H, q, D) after each row's last real slot; positions (B, q)."""
+        q = keys.shape[2]
+        self.reserve(q)
+        B, H = self.lengths.shape
+        slot = self.lengths.unsqueeze(-1) + torch.arange(q, device=keys.device)  # (B, H, q)
+        d_slot = slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        self.keys.scatter_(2, d_slot, keys.to(self.keys.dtype))
+        self.values.scatter_(2, d_slot, values.to(self.values.dtype))
+        self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q).to(self.positions))
+        for s in self.state.values():
+            s.scatter_(2, slot, torch.zeros_like(slot, dtype=s.dtype))
+        self.lengths += q
+
+    def nbytes(self) -> int:
+        """Bytes of K and V in real slots (the logical cache size)."""
+        per_slot = self.keys.shape[-1] * (self.keys.element_size() + self.values.element_size())
+        return int(self.lengths.sum()) * per_slot
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the K and V tensors as allocated (padding included)."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    @classmethod
+    def from_dense(cls, keys: Tensor, values: Tensor, positions: Tensor | None = None) -> "LayerKV":
+        """Wrap dense (B, H, T, D) tensors whose rows are all full; positions default to 0..T-1."""
+        B, H, T, _ = keys.shape
+        if positions is None:
+            positions = torch.arange(T, device=keys.device).expand(B, H, T).clone()
+        lengths = torch.full((B, H), T, dtype=torch.long, device=keys.device)
+        return cls(keys=keys, values=values, positions=positions, lengths=lengths)
+
+
+@dataclass
+class AttentionStats:
+    """What the engine measured for one layer during the last forward pass, only what the method declared.
+
+    Attention of query heads is averaged over each GQA group, so every tensor is per key/value head.
+    Queries that are padding never contribute. Shapes refer to the layer's storage *before* compression
+    (T = capacity of the LayerKV the method receives).
+
+    column_sums:        (B, H_kv, T) sum over all queries of this pass of their attention to each slot.
+    window_column_sums: (B, H_kv, T) the same over the last ``window`` queries of the pass.
+    step_attention:     (B, H_kv, T) attention of the newest query (decode step) to each slot.
+    raw_keys:           (B, H_kv, T, D) keys with RoPE removed (for methods that compare raw keys).
+    num_queries:        (B,) number of real queries in this pass.
+    """
+
+    column_sums: Tensor | None = None
+    window_column_sums: Tensor | None = None
+    step_attention: Tensor | None = None
+    raw_keys: Tensor | None = None
+    num_queries: Tensor | None = None
+
+
+STAT_NAMES = frozenset({"column_sums", "window_column_sums", "step_attention", "raw_keys"})

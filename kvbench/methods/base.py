@@ -1,0 +1,111 @@
+"""The one interface every compression method implements.
+
+A method is a pure function of (layer cache, attention statistics, budget, hyperparameters) -> layer cache.
+It never sees the model, RoPE, tasks or budget ratios: the engine turns the budget into ``n_keep`` tokens
+per sample and layer, calls ``compress`` after prefill (and, for methods that compress while decoding,
+every ``decode_interval`` steps once a row exceeds ``n_keep``), and stores whatever comes back.
+
+Capabilities are class data, read by the engine: ``needs`` (statistics the engine must compute),
+``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
+``budget_basis`` (what a fractional budget is a fraction of).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvbench.errors import ConfigError
+from kvbench.kv import STAT_NAMES, AttentionStats, LayerKV
+
+PHASES = frozenset({"prefill", "decode"})
+BUDGET_BASES = ("prompt", "prompt_plus_generation")
+
+
+@dataclass
+class Method:
+    """Base class. Subclasses are dataclasses whose fields are the paper's hyperparameters.
+
+    compress_during_decode: keep the cache at ``n_keep`` while generating (only if "decode" in phases).
+    decode_interval: compress every this many decode steps (1 = every step, as H2O/EMS/D2O describe).
+    """
+
+    name: ClassVar[str] = "base"
+    needs: ClassVar[frozenset[str]] = frozenset()
+    decode_needs: ClassVar[frozenset[str]] = frozenset()
+    phases: ClassVar[frozenset[str]] = frozenset({"prefill"})
+    budget_basis: ClassVar[str] = "prompt"
+
+    compress_during_decode: bool = False
+    decode_interval: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = (self.needs | self.decode_needs) - STAT_NAMES
+        if unknown:
+            raise ConfigError(f"{self.name}: unknown statistics {sorted(unknown)}; accepted: {sorted(STAT_NAMES)}")
+        if self.compress_during_decode and "decode" not in self.phases:
+            raise ConfigError(
+                f"{self.name}: compress_during_decode=true but the method only compresses at {sorted(self.phases)}"
+            )
+        if self.decode_interval < 1:
+            raise ConfigError(f"{self.name}: decode_interval={self.decode_interval} must be >= 1")
+
+    # -- what the engine asks -------------------------------------------------------------------------
+
+    @property
+    def window(self) -> int:
+        """Number of trailing queries behind ``window_column_sums`` (methods with a window override)."""
+        return 0
+
+    def needed_stats(self, phase: str) -> frozenset[str]:
+        if phase == "prefill":
+            return self.needs
+        return self.decode_needs if self.compress_during_decode else frozenset()
+
+    def hyperparameters(self) -> dict:
+        """Every field, for results rows and logs."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+        """Split the per-layer budget across layers: (B,) -> (L, B). Default: every layer gets ``n_keep``.
+
+        Methods with layer-adaptive budgets (PyramidKV, D2O) override this; the total must stay
+        ``num_layers * n_keep`` per sample so that budgets compare fairly.
+        """
+        return n_keep.unsqueeze(0).expand(num_layers, -1).clone()
+
+    # -- what the method implements ------------------------------------------------------------------
+
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+        """Return the compressed cache of one layer. ``n_keep``: (B,) target slots per head for each sample.
+
+        ``phase`` is "prefill" or "decode". The returned rows must not exceed ``n_keep`` unless the method's
+        documented budget rule says otherwise (KVMerger's threshold-driven merging, protected heads).
+        """
+        raise NotImplementedError
+
+    def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
+        """Called after every decode step on every layer, before any compression: update per-slot state
+        in place (e.g. H2O accumulates the new query's attention). Default: nothing."""
+
+
+def check_positive(method: str, **values: float) -> None:
+    """Raise a ConfigError naming every value that is not > 0."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{method}: {key}={value} must be > 0")
+
+
+def check_unit_interval(method: str, **values: float) -> None:
+    """Raise a ConfigError naming every value outside [0, 1]."""
+    for key, value in values.items():
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{method}: {key}={value} must be in [0, 1]")
+
+
+def per_sample_n_keep(n_keep: Tensor, kv: LayerKV) -> Tensor:
+    """(B,) budget -> (B, H) clamped to each row's length (a row shorter than the budget keeps everything)."""
+    return torch.minimum(n_keep.to(kv.lengths).unsqueeze(-1).expand_as(kv.lengths), kv.lengths)

@@ -1,0 +1,185 @@
+"""One run: model x method x budget x task -> predictions and metrics in the results store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import platform
+import random
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import kvbench
+from kvbench import models, store
+from kvbench.budget import Budget
+from kvbench.engine import Engine
+from kvbench.errors import ConfigError
+from kvbench.methods.base import Method
+from kvbench.tasks.base import Task
+
+log = logging.getLogger("kvbench")
+
+# Config keys whose values change a result; everything under them goes into the run id and the row.
+RESULT_KEYS = ("model", "method", "budget", "task", "seed", "batch_size", "position_mode", "limit")
+
+
+def result_config(cfg: DictConfig) -> dict:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return {k: resolved.get(k) for k in RESULT_KEYS}
+
+
+def _flatten(prefix: str, node: dict) -> dict:
+    out = {}
+    for key, value in node.items():
+        if key == "_target_":
+            continue
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(name, value))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(kvbench.__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated since the run's reset. CPU: the process's peak RSS (ru_maxrss, KiB on Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
+    method = instantiate(cfg.method)
+    if not isinstance(method, Method):
+        raise ConfigError(f"method config '{cfg.method.get('_target_')}' does not build a kvbench Method")
+    budget = Budget(kind=cfg.budget.kind, value=cfg.budget.value)
+    task = instantiate(cfg.task)
+    if not isinstance(task, Task):
+        raise ConfigError(f"task config '{cfg.task.get('_target_')}' does not build a kvbench Task")
+    lm = models.load(cfg.model)
+    return lm, method, budget, task
+
+
+def check_fits(prompts, lm: models.LanguageModel, samples) -> None:
+    """A prompt that cannot fit the model's context is an error, never a silent overflow."""
+    for prompt, sample in zip(prompts, samples):
+        total = len(prompt.context_ids) + len(prompt.suffix_ids or []) + prompt.max_new_tokens
+        if total > lm.max_length:
+            raise ConfigError(
+                f"sample '{sample.id}' needs {total} tokens (prompt + max_new_tokens) but model "
+                f"'{lm.name}' has max_length={lm.max_length}; enable the task's truncation or use shorter contexts"
+            )
+
+
+def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
+    """Execute one run; returns the run directory, or None when it was already finished and skipped."""
+    root = Path(cfg.results_root)
+    config = result_config(cfg)
+    rid = store.run_id(config)
+    if cfg.skip_finished and store.is_finished(root, rid):
+        log.info("run %s already finished in %s: skipped", rid, store.run_dir(root, rid))
+        return None
+    if cfg.batch_size < 1:
+        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    started = dt.datetime.now(dt.timezone.utc)
+    lm, method, budget, task = build(cfg)
+    engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode)
+    samples = task.samples()
+    if cfg.limit is not None:
+        samples = samples[: int(cfg.limit)]
+    if not samples:
+        raise ConfigError(f"task '{task.name}' produced no samples")
+    check_fits([task.build_prompt(s, lm) for s in samples], lm, samples)
+    device = engine.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, transient=False) as progress:
+        bar = progress.add_task(f"{method.name}@{budget.label} {task.name}", total=len(samples))
+        for start in range(0, len(samples), cfg.batch_size):
+            batch = samples[start : start + cfg.batch_size]
+            rows.extend(task.predict(batch, lm, engine))
+            progress.advance(bar, len(batch))
+    wall = time.perf_counter() - t0
+    predictions = pd.DataFrame(rows)
+    predictions.insert(0, "run_id", rid)
+    run_columns = {
+        "run_id": rid,
+        "model": lm.name,
+        "method": method.name,
+        "budget": budget.label,
+        "budget_kind": budget.kind,
+        "budget_value": budget.value,
+        "task": task.name,
+        **_flatten("method", {k: v for k, v in config["method"].items()}),
+        **_flatten("task", config["task"]),
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "position_mode": cfg.position_mode,
+        "attn_implementation": cfg.model.attn_implementation,
+        "dtype": cfg.model.dtype,
+    }
+    metric_rows = task.aggregate(predictions)
+    summary = _summary(predictions, wall, peak_memory_bytes(device))
+    metrics = pd.DataFrame([{**run_columns, **row, **summary} for row in metric_rows])
+    meta = {
+        "kvbench_version": kvbench.__version__,
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+        "attn_implementation": cfg.model.attn_implementation,
+        "dtype": cfg.model.dtype,
+        "device": str(device),
+        "seed": cfg.seed,
+        "hostname": platform.node(),
+        "start": started.isoformat(),
+        "end": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "run_id": rid,
+        "n_samples": len(samples),
+    }
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir)
+    log.info("run %s written to %s", rid, final)
+    return final
+
+
+def _summary(predictions: pd.DataFrame, wall: float, peak: int) -> dict:
+    """Run-level efficiency and realized-budget columns that sit beside every metric row."""
+    out_tokens = predictions["output_tokens"].clip(lower=1)
+    return {
+        "kept_mean": float(predictions["kept_mean"].mean()),
+        "kept_fraction": float((predictions["kept_mean"] / predictions["prompt_length"]).mean()),
+        "n_keep_mean": float(predictions["n_keep"].mean()),
+        "kv_bytes_full": float(predictions["kv_bytes_full"].mean()),
+        "kv_bytes_compressed": float(predictions["kv_bytes_compressed"].mean()),
+        "ttft_seconds": float(predictions["prefill_seconds"].mean()),
+        "tpot_seconds": float((predictions["decode_seconds"] / out_tokens).mean()),
+        "compress_seconds": float(predictions["compress_seconds"].mean()),
+        "output_tokens_mean": float(predictions["output_tokens"].mean()),
+        "wall_seconds": wall,
+        "peak_memory_bytes": peak,
+    }

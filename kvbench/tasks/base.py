@@ -1,0 +1,133 @@
+"""The task interface: samples in, prompts out, predictions scored. A task knows nothing about methods.
+
+A generation task implements ``samples``, ``build_prompt`` and ``score`` (and ``aggregate`` if its dataset
+score is not the mean of per-sample values). Tasks that are not greedy generation (perplexity) override
+``predict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    from kvbench.engine import Engine
+    from kvbench.models import LanguageModel
+
+
+@dataclass
+class Sample:
+    """One benchmark item. ``context`` is what query-agnostic compression sees alone; ``question`` and
+    ``answer_prefix`` follow it. ``meta`` carries dataset-specific fields (dataset, length, depth, all_classes)."""
+
+    id: str
+    context: str
+    question: str = ""
+    answer_prefix: str = ""
+    references: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    """Token ids for the engine. ``suffix_ids`` is fed after prefill compression (query-agnostic mode)."""
+
+    context_ids: list[int]
+    max_new_tokens: int
+    suffix_ids: list[int] | None = None
+    stop_token_ids: set[int] = field(default_factory=set)
+    min_new_tokens: int = 0
+    truncated: bool = False
+
+
+class Task:
+    """Base class. Subclasses are configured by Hydra (``conf/task/<name>.yaml``)."""
+
+    name: ClassVar[str] = "base"
+
+    def samples(self) -> list[Sample]:
+        raise NotImplementedError
+
+    def build_prompt(self, sample: Sample, lm: "LanguageModel") -> Prompt:
+        raise NotImplementedError
+
+    def score(self, prediction: str, sample: Sample) -> dict[str, float]:
+        """Per-sample metric values (fractions in [0, 1] unless the metric says otherwise)."""
+        raise NotImplementedError
+
+    def postprocess(self, prediction: str, sample: Sample) -> str:
+        """Turn decoded text into the prediction that is stored and scored (default: unchanged)."""
+        return prediction
+
+    def dataset_of(self, sample: Sample) -> str:
+        return sample.meta.get("dataset", self.name)
+
+    def aggregate(self, predictions: pd.DataFrame) -> list[dict]:
+        """Per-run metric rows from per-sample rows: mean x 100 of every ``metric.*`` column per dataset."""
+        rows = []
+        metric_cols = [c for c in predictions.columns if c.startswith("metric.")]
+        for dataset, group in predictions.groupby("dataset", sort=True):
+            for col in metric_cols:
+                values = group[col].dropna()
+                if len(values):
+                    rows.append({"dataset": dataset, "metric": col[len("metric."):],
+                                 "value": round(100 * float(values.mean()), 2), "n": int(len(values))})
+        return rows
+
+    def predict(self, samples: list[Sample], lm: "LanguageModel", engine: "Engine") -> list[dict]:
+        """Generate greedily for a batch of samples; one result row per sample."""
+        prompts = [self.build_prompt(s, lm) for s in samples]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prompts):  # one engine call per identical decoding setup
+            key = (p.max_new_tokens, frozenset(p.stop_token_ids), p.min_new_tokens, p.suffix_ids is None)
+            groups.setdefault(key, []).append(i)
+        rows: list[dict | None] = [None] * len(samples)
+        for (max_new, stops, min_new, no_suffix), idx in groups.items():
+            gens = engine.generate(
+                [prompts[i].context_ids for i in idx],
+                max_new_tokens=max_new,
+                stop_token_ids=set(stops) | lm.eos_token_ids,
+                suffixes=None if no_suffix else [prompts[i].suffix_ids for i in idx],
+                min_new_tokens=min_new,
+                pad_token_id=lm.pad_token_id,
+            )
+            for i, gen in zip(idx, gens):
+                sample = samples[i]
+                text = self.postprocess(lm.decode(gen.tokens), sample)
+                row = {
+                    "sample_id": sample.id,
+                    "dataset": self.dataset_of(sample),
+                    "prompt_length": gen.prompt_length + len(prompts[i].suffix_ids or []),
+                    "truncated": prompts[i].truncated,
+                    "prediction": text,
+                    "references": list(sample.references),
+                    "output_tokens": len(gen.tokens),
+                    **generation_measurements(gen),
+                    **{f"meta.{k}": v for k, v in sample.meta.items() if isinstance(v, (int, float, str))},
+                }
+                row.update({f"metric.{k}": v for k, v in self.score(text, sample).items()})
+                rows[i] = row
+        return rows
+
+
+def generation_measurements(gen) -> dict:
+    """Realized budget and timings of one ``Generation`` as flat result columns."""
+    kept = gen.kept_per_layer_head
+    flat = [n for layer in kept for n in layer]
+    return {
+        "n_keep": gen.n_keep,
+        "kept_mean": sum(flat) / len(flat),
+        "kept_min": min(flat),
+        "kept_max": max(flat),
+        "kept_per_layer": [sum(layer) / len(layer) for layer in kept],
+        "kept_per_layer_head": kept,
+        "kv_bytes_full": gen.kv_bytes_full,
+        "kv_bytes_compressed": gen.kv_bytes_compressed,
+        "kv_bytes_final": gen.kv_bytes_final,
+        "prefill_seconds": gen.prefill_seconds,
+        "compress_seconds": gen.compress_seconds,
+        "decode_seconds": gen.decode_seconds,
+        "stopped_by": gen.stopped_by,
+    }
