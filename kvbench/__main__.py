@@ -12,10 +12,26 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, unknown_name
 
 log = logging.getLogger("kvbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CHECKED_GROUPS = ("model", "method", "budget", "task", "logger", "kernels")
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Reject unknown config-group choices (``method=foo``, also inside ``-m`` sweeps ``method=a,b``) with one
+    line naming the value and the accepted ones, before Hydra prints its multi-line composition error."""
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if not sep or group.lstrip("+~") not in CHECKED_GROUPS:
+            continue
+        group = group.lstrip("+~")
+        accepted = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        choices = value.removeprefix("choice(").removesuffix(")") if value.startswith("choice(") else value
+        for choice in (c.strip().strip("'\"") for c in choices.split(",")):
+            if choice and choice not in accepted:
+                raise ConfigError(str(unknown_name(group, choice, accepted)))
 
 
 def print_metrics(run_dir: Path) -> None:
@@ -45,5 +61,27 @@ def main(cfg: DictConfig) -> None:
         print_metrics(run_dir)
 
 
-if __name__ == "__main__":
+def quote_numeric_choices(argv: list[str]) -> list[str]:
+    """``budget=0.2`` must select conf/budget/0.2.yaml, but Hydra's grammar reads 0.2 as a float and refuses
+    it as a group choice; quoting each choice (``budget='0.2'``, ``budget='0.1','0.5'``) makes it a name."""
+    out = []
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if sep and group.lstrip("+~") == "budget" and not value.startswith(("choice(", "'", '"')):
+            value = ",".join(f"'{c.strip()}'" for c in value.split(","))
+        out.append(f"{group}{sep}{value}" if sep else arg)
+    return out
+
+
+def entry() -> None:
+    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    try:
+        check_group_overrides(sys.argv[1:])
+    except ConfigError as err:
+        print(f"kvbench: error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
+
 
 def attention_mask(key_valid: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
     """(B, H_kv, Q, T) bool from key_valid/key_pos (B, H_kv, T) and query_pos (B, Q)."""
@@ -40,6 +42,12 @@ def ragged_attention(
     "column_sums", "window_column_sums" (over the last ``window`` real queries) and "step_attention"
     (attention of the last query), each (B, H_kv, T), averaged over the query heads of a group, in float32.
     """
+    if use_triton("ragged_attention", query):
+        from kvbench.kernels import triton_attention
+
+        return triton_attention.ragged_attention(
+            query, keys, values, key_valid, key_pos, query_pos, scaling, window, want_column_sums, want_step, chunk
+        )
     B, Hq, Q, D = query.shape
     Hkv, T = keys.shape[1], keys.shape[2]
     group = Hq // Hkv

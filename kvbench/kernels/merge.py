@@ -1,10 +1,12 @@
 """Segment-weighted merge: many slots -> one slot per group, in one pass (KVMerger, Chelsea, D2O, CaM,
-WeightedKV, EMS all reduce to it). Torch reference; a Triton kernel of the same signature may sit beside it."""
+WeightedKV, EMS all reduce to it). Torch reference; ``triton_merge`` holds the kernels of the same signatures (see ``dispatch``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from kvbench.kernels.dispatch import use_triton
 
 
 def scatter_merge(x: Tensor, target: Tensor, weight: Tensor, num_groups: int) -> Tensor:
@@ -14,6 +16,10 @@ def scatter_merge(x: Tensor, target: Tensor, weight: Tensor, num_groups: int) ->
     weight: (B, H, T). Weights are used as given: callers normalise them (convex merges) themselves.
     Accumulates in float32 and returns x's dtype, shape (B, H, num_groups, D).
     """
+    if use_triton("scatter_merge", x):
+        from kvbench.kernels import triton_merge
+
+        return triton_merge.scatter_merge(x, target, weight, num_groups)
     B, H, T, D = x.shape
     keep = target >= 0
     tgt = torch.where(keep, target, torch.zeros_like(target))
@@ -25,6 +31,10 @@ def scatter_merge(x: Tensor, target: Tensor, weight: Tensor, num_groups: int) ->
 
 def group_sum(weight: Tensor, target: Tensor, num_groups: int) -> Tensor:
     """(B, H, num_groups): sum of ``weight`` over the slots of each group (targets < 0 ignored)."""
+    if use_triton("group_sum", weight):
+        from kvbench.kernels import triton_merge
+
+        return triton_merge.group_sum(weight, target, num_groups)
     keep = target >= 0
     tgt = torch.where(keep, target, torch.zeros_like(target))
     w = torch.where(keep, weight.float(), torch.zeros_like(weight, dtype=torch.float32))

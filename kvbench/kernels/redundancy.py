@@ -1,0 +1,60 @@
+"""Token redundancy between two sets of cached tokens (EMS §4.1), and RoPE transfer between raw and rotated keys.
+
+Redundancy is measured on raw (pre-RoPE) keys because the positional rotation attenuates the similarity of
+tokens that are far apart. Merging in raw space then needs the merged raw key rotated back to a stored
+position; methods never see the model's RoPE, so ``rotate_like`` reads the rotation off one token whose raw
+and rotated keys are both known (RoPE is a per-pair planar rotation: the pair's phase difference is the angle).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SIMILARITIES = ("key_value", "key", "value")
+
+
+def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
+    """(B, H, M, D) x (B, H, N, D) -> (B, H, M, N) cosine similarities in float32 (zero vectors -> 0)."""
+    a = torch.nn.functional.normalize(a.float(), dim=-1)
+    b = torch.nn.functional.normalize(b.float(), dim=-1)
+    return a @ b.transpose(-1, -2)
+
+
+def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tensor, similarity: str) -> Tensor:
+    """R[i, j] between token i of set a and token j of set b: (B, H, M, D) x2, (B, H, N, D) x2 -> (B, H, M, N).
+
+    similarity="key_value": cos(k_i, k_j) * cos(v_i, v_j) (EMS Eq. for R); "key" / "value": one factor alone.
+    Each cosine is clamped at 0 first: the raw product would call two anti-parallel pairs (-0.8 * -0.8)
+    redundant, and a weighted merge of opposite keys cancels them. With the clamp R lies in [0, 1], so
+    tau = 0 merges every to-be-merged token, as EMS's tau sweep describes.
+    """
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"similarity '{similarity}'; accepted: {', '.join(SIMILARITIES)}")
+    if similarity == "value":
+        return cosine_matrix(values_a, values_b).clamp(min=0)
+    key = cosine_matrix(keys_a, keys_b).clamp(min=0)
+    if similarity == "key":
+        return key
+    return key * cosine_matrix(values_a, values_b).clamp(min=0)
+
+
+def rotate_like(x: Tensor, raw: Tensor, rotated: Tensor, rel_eps: float = 1e-4) -> Tensor:
+    """Apply to ``x`` the RoPE rotation that took ``raw`` to ``rotated`` (rotate_half layout, as Llama/Qwen).
+
+    x, raw, rotated: (..., D). Dimension pairs (i, i + D/2) form complex numbers z; RoPE multiplies pair i by
+    a unit phasor, recovered as z_rot * conj(z_raw) / |z_rot * z_raw|. A pair whose raw part is below
+    ``rel_eps`` of the key's norm carries no usable phase and is left unrotated: that pair holds almost none
+    of the reference key's energy. Computed in float32; returns x's dtype.
+    """
+    half = x.shape[-1] // 2
+    xf, rf, pf = x.float(), raw.float(), rotated.float()
+    r1, r2, p1, p2 = rf[..., :half], rf[..., half:], pf[..., :half], pf[..., half:]
+    cos = p1 * r1 + p2 * r2
+    sin = p2 * r1 - p1 * r2
+    scale = torch.sqrt(cos * cos + sin * sin)
+    usable = (r1 * r1 + r2 * r2).sqrt() > rel_eps * rf.norm(dim=-1, keepdim=True)
+    cos = torch.where(usable, cos / scale.clamp(min=1e-30), torch.ones_like(cos))
+    sin = torch.where(usable, sin / scale.clamp(min=1e-30), torch.zeros_like(sin))
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)

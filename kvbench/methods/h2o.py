@@ -1,0 +1,78 @@
+"""H2O, Heavy-Hitter Oracle (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative
+Inference of Large Language Models").
+
+Score of a token: its accumulated attention ``a_j = sum over queries i so far of A[i, j]`` (methods.md 6.1;
+KVMerger, EMS and D2O describe it so). Keep the heavy hitters (top ``a_j``) plus a recent window and evict
+the rest, after the prompt and at every decode step, one eviction per new token [std; EMS].
+
+Interpretations:
+- [std] Split of the per-head budget: ``heavy_ratio`` = 0.5 heavy hitters, the rest recent tokens.
+  D2O's own H2O variant uses 3:1 plus sinks (heavy_ratio=0.75, sinks=4).
+- [I] ``heavy = floor(heavy_ratio * n_keep)``, ``recent = n_keep - heavy`` (the rounding remainder goes to
+  the recent window, as in H2O's code, which floors each share).
+- [I] Optional ``sinks`` (default 0, as in H2O) are protected and come out of the heavy share.
+- [std] Prompt scores are the column sums over all prompt queries; each decode step adds the new query's
+  attention (``observe``). The score lives in the per-slot state "score", so it moves with its slot.
+- [I] Attention of the query heads of a GQA group is averaged (the engine's statistics are per KV head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvbench.kernels.select import keep_topk
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
+from kvbench.methods.streamingllm import check_count
+
+SCORE = "score"
+
+
+@dataclass
+class H2O(Method):
+    """heavy_ratio: share of the budget for heavy hitters (the rest: recent window). sinks: protected first tokens."""
+
+    name: ClassVar[str] = "h2o"
+    needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
+    decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
+    phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+
+    heavy_ratio: float = 0.5
+    sinks: int = 0
+    compress_during_decode: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_unit_interval(self.name, heavy_ratio=self.heavy_ratio)
+        check_count(self.name, 0, sinks=self.sinks)
+
+    def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
+        """Accumulate the newest query's attention (B, H, T') into the score of slots [0, T')."""
+        step = stats.step_attention
+        if SCORE not in kv.state:  # the prefill compression was not run on this cache
+            kv.state[SCORE] = torch.zeros(kv.positions.shape, device=kv.keys.device)
+        score = kv.state[SCORE]
+        score[..., : step.shape[-1]] += step.to(score.dtype)
+
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+        if phase == "prefill":
+            kv.state[SCORE] = self._slot_aligned(stats.column_sums, kv)
+        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
+        heavy = torch.floor(self.heavy_ratio * keep.double()).long()
+        # Per-row (B, H, 1) counts, broadcast by keep_topk: every row gets its own window and sinks.
+        sinks = heavy.clamp(max=self.sinks).unsqueeze(-1)
+        recent = (keep - heavy).unsqueeze(-1)
+        index, lengths = keep_topk(kv.state[SCORE], keep, kv.lengths, sinks=sinks, recent=recent)
+        return kv.gather(index, lengths)
+
+    @staticmethod
+    def _slot_aligned(stat: Tensor, kv: LayerKV) -> Tensor:
+        """(B, H, T') statistic -> (B, H, capacity) float32 state (statistics cover slots [0, T'))."""
+        out = torch.zeros(kv.positions.shape, dtype=torch.float32, device=kv.keys.device)
+        t = min(stat.shape[-1], kv.capacity)
+        out[..., :t] = stat[..., :t]
+        return out

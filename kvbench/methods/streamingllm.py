@@ -1,0 +1,65 @@
+"""StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks").
+
+Keep the first ``sinks`` tokens (attention sinks) plus the most recent tokens; evict everything in between.
+No attention statistics are needed. As the merging papers run it (methods.md 6.2): 4 sinks [P: Chelsea,
+WeightedKV; std], applied after prefill and at every decode step [P: EMS, "compress during both prefilling
+and decoding"].
+
+Interpretations:
+- [I] The recent window is the rest of the per-head budget: ``recent = n_keep - sinks``, per sample.
+- [I] A budget smaller than ``sinks`` keeps the first ``n_keep`` tokens (all of it goes to sinks).
+- [I] Sinks are the oldest slots still in the row; after prefill they are the first prompt tokens, and
+  StreamingLLM never evicts them, so they stay the first tokens for the whole generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvbench.errors import ConfigError
+from kvbench.kernels.select import keep_topk
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.base import Method, per_sample_n_keep
+
+
+def check_count(method: str, minimum: int, **values) -> None:
+    """Raise a ConfigError naming every value that is not an integer >= ``minimum``."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
+
+
+def sinks_and_recent(n_keep: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
+    """(B, H) budget -> per-row (sinks, recent), each (B, H, 1), with sinks + recent = n_keep.
+
+    ``keep_topk`` broadcasts them against (B, H, T) slot indices, so every row gets its own window.
+    """
+    row_sinks = n_keep.clamp(max=sinks)
+    return row_sinks.unsqueeze(-1), (n_keep - row_sinks).unsqueeze(-1)
+
+
+@dataclass
+class StreamingLLM(Method):
+    """sinks: attention-sink tokens kept at the start of every row (paper default 4)."""
+
+    name: ClassVar[str] = "streamingllm"
+    phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+
+    sinks: int = 4
+    compress_during_decode: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_count(self.name, 0, sinks=self.sinks)
+
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
+        sinks, recent = sinks_and_recent(keep, self.sinks)
+        # Every kept slot is protected (sinks + recent = n_keep), so the scores never decide anything.
+        scores = torch.zeros(kv.positions.shape, device=kv.keys.device)
+        index, lengths = keep_topk(scores, keep, kv.lengths, sinks=sinks, recent=recent)
+        return kv.gather(index, lengths)

@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny random model (seconds to build, meaningless scores) and its LanguageModel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+
+
+def tiny_model_config(**overrides):
+    cfg = OmegaConf.load(CONF / "model" / "tiny-llama-random.yaml")
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    from kvbench import models
+
+    return models.load(tiny_model_config())
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_lm):
+    return tiny_lm.model
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(0)
