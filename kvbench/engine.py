@@ -10,6 +10,7 @@ from then on and every row is computed exactly as it would be alone.
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from kvbench.attention import attach, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache
 from kvbench.errors import ConfigError
+from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
 
 POSITION_MODES = ("original", "cache_length")
@@ -28,6 +30,13 @@ POSITION_MODES = ("original", "cache_length")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Process-wide peak so far. CUDA: max allocated since the last reset; CPU: peak RSS (ru_maxrss, KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 @dataclass
@@ -41,9 +50,12 @@ class Generation:
     kv_bytes_full: int  # K+V bytes of the uncompressed prompt cache
     kv_bytes_compressed: int  # after prefill compression
     kv_bytes_final: int  # at the end of generation
-    prefill_seconds: float
-    compress_seconds: float
-    decode_seconds: float
+    prefill_seconds: float  # time to first token: prompt pass + prefill compression + suffix
+    compress_seconds: float  # prefill compression alone (inside prefill_seconds)
+    decode_seconds: float  # all decode steps, decode-time compression included
+    decode_compress_seconds: float  # decode-time compression alone (inside decode_seconds)
+    tpot_seconds: float  # decode time per generated token (one batched decode step)
+    peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
     stopped_by: str  # "eos", "max_new_tokens"
 
 
@@ -58,7 +70,8 @@ class Session:
     logits: Tensor | None = None  # (B, V) logits of the last real token of the last pass
     decode_steps: int = 0
     prefill_lengths: Tensor | None = None  # (L, B, H) realized slots right after prefill compression
-    compress_seconds: float = 0.0
+    compress_seconds: float = 0.0  # prefill compression
+    decode_compress_seconds: float = 0.0
     timings: dict = field(default_factory=dict)
 
     def feed(self, tokens: Tensor, phase: str = "decode") -> Tensor:
@@ -93,7 +106,7 @@ class Session:
             ):
                 cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats, n_keep, "decode"))
         _sync(engine.device)
-        self.compress_seconds += time.perf_counter() - start
+        self.decode_compress_seconds += time.perf_counter() - start
 
 
 class Engine:
@@ -197,6 +210,13 @@ class Engine:
     ) -> list[Generation]:
         """Greedy decoding. ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the prefill
         compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output)."""
+        with PeakMemory(self.device) as peak:
+            gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id)
+        for gen in gens:
+            gen.peak_memory_bytes = peak.bytes
+        return gens
+
+    def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id):
         B = len(prompts)
         _sync(self.device)
         t0 = time.perf_counter()
@@ -213,6 +233,7 @@ class Engine:
         _sync(self.device)
         prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
+        steps = 0
         for step in range(max_new_tokens):
             logits = session.logits.float()
             if step < min_new_tokens and stop.numel():
@@ -229,6 +250,7 @@ class Engine:
             if all(done) or step == max_new_tokens - 1:
                 break
             session.feed(next_tokens.view(B, 1), phase="decode")
+            steps += 1
         _sync(self.device)
         decode_seconds = time.perf_counter() - t1
         return [
@@ -243,6 +265,9 @@ class Engine:
                 prefill_seconds=prefill_seconds / B,
                 compress_seconds=session.compress_seconds / B,
                 decode_seconds=decode_seconds / B,
+                decode_compress_seconds=session.decode_compress_seconds / B,
+                tpot_seconds=decode_seconds / max(1, steps),
+                peak_memory_bytes=0,
                 stopped_by=stopped[b],
             )
             for b in range(B)

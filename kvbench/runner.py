@@ -6,7 +6,6 @@ import datetime as dt
 import logging
 import platform
 import random
-import resource
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbench
 from kvbench import models, store
 from kvbench.budget import Budget
-from kvbench.engine import Engine
+from kvbench.engine import Engine, peak_memory_bytes
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method
 from kvbench.tasks.base import Task
@@ -59,13 +58,6 @@ def _git_commit() -> str | None:
         return None
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: max allocated since the run's reset. CPU: the process's peak RSS (ru_maxrss, KiB on Linux)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
     method = instantiate(cfg.method)
     if not isinstance(method, Method):
@@ -90,13 +82,27 @@ def check_fits(prompts, lm: models.LanguageModel, samples) -> None:
 
 
 def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
-    """Execute one run; returns the run directory, or None when it was already finished and skipped."""
+    """Execute one run; returns the run directory, or None when it was already finished and skipped.
+
+    While it runs, ``<root>/status/<run_id>.json`` says so; if it fails, the record holds the error
+    (``kvbench status`` shows both); a finished run replaces it."""
     root = Path(cfg.results_root)
     config = result_config(cfg)
     rid = store.run_id(config)
     if cfg.skip_finished and store.is_finished(root, rid):
         log.info("run %s already finished in %s: skipped", rid, store.run_dir(root, rid))
         return None
+    labels = {"model": cfg.model.name, "method": cfg.method._target_.rsplit(".", 1)[-1],
+              "budget": f"{cfg.budget.kind}:{cfg.budget.value}", "task": cfg.task._target_.rsplit(".", 1)[-1]}
+    store.mark(root, rid, "running", **labels)
+    try:
+        return _execute(cfg, root, config, rid, hydra_dir)
+    except BaseException as err:
+        store.mark(root, rid, "failed", error=f"{type(err).__name__}: {err}", **labels)
+        raise
+
+
+def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Path | None) -> Path:
     if cfg.batch_size < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
     random.seed(cfg.seed)
@@ -159,6 +165,10 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
         "start": started.isoformat(),
         "end": dt.datetime.now(dt.timezone.utc).isoformat(),
         "run_id": rid,
+        "model": lm.name,
+        "method": method.name,
+        "budget": budget.label,
+        "task": task.name,
         "n_samples": len(samples),
     }
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -167,19 +177,35 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
     return final
 
 
+# run-level column -> (per-sample column, how the run value is made from it)
+SUMMARY_COLUMNS = {
+    "kept_mean": ("kept_mean", "mean"),
+    "n_keep_mean": ("n_keep", "mean"),
+    "kv_bytes_full": ("kv_bytes_full", "mean"),
+    "kv_bytes_compressed": ("kv_bytes_compressed", "mean"),
+    "kv_bytes_final": ("kv_bytes_final", "mean"),
+    "ttft_seconds": ("prefill_seconds", "mean"),
+    "tpot_seconds": ("tpot_seconds", "mean"),
+    "compress_seconds": ("compress_seconds", "mean"),
+    "decode_compress_seconds": ("decode_compress_seconds", "mean"),
+    "output_tokens_mean": ("output_tokens", "mean"),
+    "peak_memory_bytes": ("peak_memory_bytes", "max"),
+}
+
+
 def _summary(predictions: pd.DataFrame, wall: float, peak: int) -> dict:
-    """Run-level efficiency and realized-budget columns that sit beside every metric row."""
-    out_tokens = predictions["output_tokens"].clip(lower=1)
-    return {
-        "kept_mean": float(predictions["kept_mean"].mean()),
-        "kept_fraction": float((predictions["kept_mean"] / predictions["prompt_length"]).mean()),
-        "n_keep_mean": float(predictions["n_keep"].mean()),
-        "kv_bytes_full": float(predictions["kv_bytes_full"].mean()),
-        "kv_bytes_compressed": float(predictions["kv_bytes_compressed"].mean()),
-        "ttft_seconds": float(predictions["prefill_seconds"].mean()),
-        "tpot_seconds": float((predictions["decode_seconds"] / out_tokens).mean()),
-        "compress_seconds": float(predictions["compress_seconds"].mean()),
-        "output_tokens_mean": float(predictions["output_tokens"].mean()),
-        "wall_seconds": wall,
-        "peak_memory_bytes": peak,
-    }
+    """Run-level efficiency and realized-budget columns that sit beside every metric row.
+
+    Tasks that are not generation (perplexity) may lack some per-sample columns; those stay NaN. Rows of
+    reference systems timed beside the method (the efficiency task's ``system`` column) are left out."""
+    if "system" in predictions:
+        predictions = predictions[predictions["system"] == "method"]
+    out = {"wall_seconds": wall, "process_peak_memory_bytes": peak}
+    for name, (column, how) in SUMMARY_COLUMNS.items():
+        values = predictions[column] if column in predictions else pd.Series(dtype=float)
+        out[name] = float(getattr(values, how)()) if len(values) else float("nan")
+    if "kept_mean" in predictions and "prompt_length" in predictions:
+        out["kept_fraction"] = float((predictions["kept_mean"] / predictions["prompt_length"]).mean())
+    else:
+        out["kept_fraction"] = float("nan")
+    return out

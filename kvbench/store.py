@@ -17,13 +17,16 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 
 RUNS = "runs"
+STATUS = "status"  # <root>/status/<run_id>.json: "running" or "failed" (with the error) while not finished
 FINISHED_MARKER = "meta.json"  # written last inside the temp dir; the rename publishes all files at once
 
 
@@ -71,6 +74,7 @@ def write_run(
         copy_to.mkdir(parents=True, exist_ok=True)
         for name in ("config.yaml", "predictions.parquet", "metrics.parquet", FINISHED_MARKER):
             shutil.copy2(final / name, copy_to / name)
+    clear_mark(root, rid)
     collect(root)
     return final
 
@@ -106,3 +110,49 @@ def collect(root: Path) -> None:
 def load_metrics(root: Path) -> pd.DataFrame:
     path = Path(root) / "metrics.parquet"
     return pd.read_parquet(path) if path.exists() else pd.DataFrame()
+
+
+def _status_path(root: Path, rid: str) -> Path:
+    return Path(root) / STATUS / f"{rid}.json"
+
+
+def mark(root: Path, rid: str, state: str, **info) -> None:
+    """Record that run ``rid`` is "running" or "failed" (atomically; the finished state is the run dir)."""
+    path = _status_path(root, rid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    record = {"run_id": rid, "state": state, "host": socket.gethostname(), "pid": os.getpid(),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "time": time.time(), **info}
+    tmp.write_text(json.dumps(record, default=str))
+    os.replace(tmp, path)
+
+
+def clear_mark(root: Path, rid: str) -> None:
+    _status_path(root, rid).unlink(missing_ok=True)
+
+
+def run_states(root: Path) -> list[dict]:
+    """Every known run with its state: done, running, failed, or stale (marked running by a process on
+    this host that no longer exists: it crashed or was killed)."""
+    root = Path(root)
+    records = {d.name: {"run_id": d.name, "state": "done", **json.loads((d / FINISHED_MARKER).read_text())}
+               for d in finished_runs(root)}
+    status_dir = root / STATUS
+    for path in sorted(status_dir.glob("*.json")) if status_dir.exists() else []:
+        record = json.loads(path.read_text())
+        if record["run_id"] in records:
+            continue
+        if record["state"] == "running" and record["host"] == socket.gethostname() and not _alive(record["pid"]):
+            record["state"] = "stale"
+        records[record["run_id"]] = record
+    return list(records.values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

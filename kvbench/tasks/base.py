@@ -129,5 +129,8 @@ def generation_measurements(gen) -> dict:
         "prefill_seconds": gen.prefill_seconds,
         "compress_seconds": gen.compress_seconds,
         "decode_seconds": gen.decode_seconds,
+        "decode_compress_seconds": gen.decode_compress_seconds,
+        "tpot_seconds": gen.tpot_seconds,
+        "peak_memory_bytes": gen.peak_memory_bytes,
         "stopped_by": gen.stopped_by,
     }
