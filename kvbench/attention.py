@@ -80,7 +80,8 @@ def _make_attention(impl: str):
             )
             output = output.transpose(1, 2).contiguous()
         n_real = (query_pos >= 0).sum(-1)
-        cache.pass_stats[layer_idx] = AttentionStats(num_queries=n_real, **stats)
+        # stats cover the first t slots; align them with the whole storage the method will receive
+        cache.pass_stats[layer_idx] = AttentionStats(num_queries=n_real, **stats).aligned(kv.capacity)
         return output, None
 
     return kvbench_attention

@@ -105,6 +105,7 @@ class CompressedCache(Cache):
             # stable order: real slots first, in their original order
             order = (~real).to(torch.int8).argsort(dim=-1, stable=True)[..., : int(lengths.max())]
             self.set_kv(i, kv.gather(order, lengths))
+            self.pass_stats[i] = self.pass_stats[i].aligned(int(lengths.max()), order)
 
     def lengths(self) -> Tensor:
         """(L, B, H) real slots per layer and head."""

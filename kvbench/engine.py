@@ -79,29 +79,33 @@ class Session:
 
         phase="decode": the method's decode-time compression runs after the pass (if enabled and due);
         phase="extend": no compression (e.g. the question appended after a compressed context).
+        Methods that compress while decoding observe the attention of every pass, extend passes included,
+        so that tokens fed in a chunk accumulate scores like decoded ones.
         """
+        if phase not in ("decode", "extend"):
+            raise ConfigError(f"unknown feed phase '{phase}'; accepted: decode, extend")
         engine, cache = self.engine, self.cache
         B, q = tokens.shape
         index = self.next_index.view(B, 1) + torch.arange(q, device=tokens.device)
-        compress = phase == "decode" and engine.method.compress_during_decode
-        cache.wanted_stats = engine.method.needed_stats("decode") if compress else frozenset()
+        observing = engine.method.compress_during_decode
+        cache.wanted_stats = engine.method.needed_stats("decode") if observing else frozenset()
         cache.window = engine.method.window
         logits = engine._forward(tokens, index, engine._rope_positions(cache, index), cache)
         self.next_index = self.next_index + q
         self.logits = logits[:, -1]
-        if compress:
-            self.decode_steps += 1
-            self._decode_compress()
+        if observing:
+            self.decode_steps += phase == "decode"
+            self._observe_and_compress(compress=phase == "decode")
         return logits
 
-    def _decode_compress(self) -> None:
+    def _observe_and_compress(self, compress: bool) -> None:
         engine, cache, method = self.engine, self.cache, self.engine.method
         start = time.perf_counter()
         for layer in range(len(cache.layers)):
             stats = engine._with_raw_keys(cache, layer, cache.pass_stats[layer], method.decode_needs)
             method.observe(layer, cache.kv(layer), stats)
             n_keep = self.layer_n_keep[layer]
-            if self.decode_steps % method.decode_interval == 0 and bool(
+            if compress and self.decode_steps % method.decode_interval == 0 and bool(
                 (cache.kv(layer).lengths > n_keep.view(-1, 1)).any()
             ):
                 cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats, n_keep, "decode"))
@@ -283,9 +287,13 @@ class Engine:
                 tokens[b, q - len(s):] = torch.tensor(s, device=self.device)
                 index[b, q - len(s):] = session.next_index[b] + torch.arange(len(s), device=self.device)
         cache = session.cache
-        cache.wanted_stats, cache.window = frozenset(), 0
+        observing = self.method.compress_during_decode
+        cache.wanted_stats = self.method.needed_stats("decode") if observing else frozenset()
+        cache.window = self.method.window
         logits = self._forward(tokens, index, self._rope_positions(cache, index.clamp(min=0)), cache)
         cache.drop_padding()
+        if observing:
+            session._observe_and_compress(compress=False)
         fed = torch.tensor([len(s) for s in suffixes], device=self.device)
         session.next_index = session.next_index + fed
         session.logits = torch.where((fed > 0).view(-1, 1), logits[:, -1], session.logits)

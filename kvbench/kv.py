@@ -54,10 +54,9 @@ class LayerKV:
         Every kept slot carries its key, value, position and state along; the result is allocated at K slots.
         """
         idx = index.clamp(min=0)
-        d_idx = idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
         kv = LayerKV(
-            keys=self.keys.gather(2, d_idx),
-            values=self.values.gather(2, d_idx),
+            keys=self.keys.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])),
+            values=self.values.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1])),
             positions=self.positions.gather(2, idx),
             lengths=lengths.to(self.lengths),
             state={name: s.gather(2, idx) for name, s in self.state.items()},
@@ -107,9 +106,10 @@ class LayerKV:
         self.reserve(q)
         B, H = self.lengths.shape
         slot = self.lengths.unsqueeze(-1) + torch.arange(q, device=keys.device)  # (B, H, q)
-        d_slot = slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        self.keys.scatter_(2, d_slot, keys.to(self.keys.dtype))
-        self.values.scatter_(2, d_slot, values.to(self.values.dtype))
+        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]), keys.to(self.keys.dtype))
+        self.values.scatter_(
+            2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]), values.to(self.values.dtype)
+        )
         self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q).to(self.positions))
         for s in self.state.values():
             s.scatter_(2, slot, torch.zeros_like(slot, dtype=s.dtype))
@@ -139,12 +139,13 @@ class AttentionStats:
     """What the engine measured for one layer during the last forward pass, only what the method declared.
 
     Attention of query heads is averaged over each GQA group, so every tensor is per key/value head.
-    Queries that are padding never contribute. Shapes refer to the layer's storage *before* compression
-    (T = capacity of the LayerKV the method receives).
+    Queries that are padding never contribute. Every (B, H_kv, T) tensor is aligned slot for slot with the
+    LayerKV the method receives (T = its capacity; zeros past each row's length).
 
     column_sums:        (B, H_kv, T) sum over all queries of this pass of their attention to each slot.
     window_column_sums: (B, H_kv, T) the same over the last ``window`` queries of the pass.
-    step_attention:     (B, H_kv, T) attention of the newest query (decode step) to each slot.
+    step_attention:     (B, H_kv, T) attention of this pass's queries to each slot: the new token's at a
+                        decode step (summed over the queries when a pass feeds several, e.g. a suffix).
     raw_keys:           (B, H_kv, T, D) keys with RoPE removed (for methods that compare raw keys).
     num_queries:        (B,) number of real queries in this pass.
     """
@@ -154,6 +155,21 @@ class AttentionStats:
     step_attention: Tensor | None = None
     raw_keys: Tensor | None = None
     num_queries: Tensor | None = None
+
+    def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
+        """Reorder slots by ``order`` (B, H, K) (as LayerKV.gather does) and zero-pad to ``capacity``."""
+        def fix(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            if order is not None:
+                t = t.gather(2, order.clamp(min=0, max=t.shape[2] - 1))
+            if t.shape[2] < capacity:
+                t = torch.cat([t, t.new_zeros(*t.shape[:2], capacity - t.shape[2])], dim=2)
+            return t[:, :, :capacity]
+
+        return AttentionStats(column_sums=fix(self.column_sums), window_column_sums=fix(self.window_column_sums),
+                              step_attention=fix(self.step_attention), raw_keys=self.raw_keys,
+                              num_queries=self.num_queries)
 
 
 STAT_NAMES = frozenset({"column_sums", "window_column_sums", "step_attention", "raw_keys"})

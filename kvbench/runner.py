@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kvbench
-from kvbench import models, store
+from kvbench import models, store, trackers
 from kvbench.budget import Budget
 from kvbench.engine import Engine, peak_memory_bytes
 from kvbench.errors import ConfigError
@@ -174,6 +174,7 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir)
     log.info("run %s written to %s", rid, final)
+    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
     return final
 
 

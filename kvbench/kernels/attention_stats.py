@@ -19,7 +19,8 @@ from kvbench.kernels.dispatch import use_triton
 def attention_mask(key_valid: Tensor, key_pos: Tensor, query_pos: Tensor) -> Tensor:
     """(B, H_kv, Q, T) bool from key_valid/key_pos (B, H_kv, T) and query_pos (B, Q)."""
     q = query_pos.view(query_pos.shape[0], 1, -1, 1)
-    return key_valid.unsqueeze(2) & (key_pos.unsqueeze(2) <= q) & (q >= 0)
+    key_ok = (key_valid & (key_pos >= 0)).unsqueeze(2)  # padding keys (position -1) are never attended
+    return key_ok & (key_pos.unsqueeze(2) <= q) & (q >= 0)
 
 
 def ragged_attention(
@@ -40,7 +41,9 @@ def ragged_attention(
     query: (B, H_q, Q, D); keys/values: (B, H_kv, T, D); H_q a multiple of H_kv (GQA groups).
     Returns (output (B, H_q, Q, D) or None when values is None, stats) where stats may hold
     "column_sums", "window_column_sums" (over the last ``window`` real queries) and "step_attention"
-    (attention of the last query), each (B, H_kv, T), averaged over the query heads of a group, in float32.
+    (attention of this pass's queries: the new token's at a decode step, summed over the pass's real
+    queries when several are fed at once), each (B, H_kv, T), averaged over the query heads of a group,
+    in float32.
     """
     if use_triton("ragged_attention", query):
         from kvbench.kernels import triton_attention
@@ -55,9 +58,8 @@ def ragged_attention(
     # rank of each query counted from the end among real queries (left padding comes first)
     from_end = n_real.view(B, 1) - 1 - (torch.arange(Q, device=query.device).view(1, Q) - (Q - n_real.view(B, 1)))
     out = None if values is None else query.new_empty(B, Hq, Q, values.shape[-1])
-    col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums else None
+    col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums or want_step else None
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
-    step = None
     k_rep = keys.float().repeat_interleave(group, dim=1)
     v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
     for start in range(0, Q, chunk):
@@ -75,13 +77,11 @@ def ragged_attention(
         if win is not None:
             in_window = (from_end[:, start:stop] < window) & (from_end[:, start:stop] >= 0)
             win += (grouped * in_window.view(B, 1, -1, 1)).sum(2)
-        if want_step and stop == Q:
-            step = grouped[:, :, -1]
     stats: dict[str, Tensor] = {}
-    if col is not None:
+    if want_column_sums:
         stats["column_sums"] = col
+    if want_step:
+        stats["step_attention"] = col
     if win is not None:
         stats["window_column_sums"] = win
-    if step is not None:
-        stats["step_attention"] = step
     return out, stats
