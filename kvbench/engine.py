@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from kvbench.attention import attach, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache
 from kvbench.errors import ConfigError
+from kvbench.kv import AttentionStats
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
 
@@ -56,7 +58,7 @@ class Generation:
     decode_compress_seconds: float  # decode-time compression alone (inside decode_seconds)
     tpot_seconds: float  # decode time per generated token (one batched decode step)
     peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
-    stopped_by: str  # "eos", "max_new_tokens"
+    stopped_by: str  # "eos", "stop_string", "max_new_tokens"
 
 
 @dataclass
@@ -101,6 +103,13 @@ class Session:
     def _observe_and_compress(self, compress: bool) -> None:
         engine, cache, method = self.engine, self.cache, self.engine.method
         start = time.perf_counter()
+        with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
+            self._observe_and_compress_layers(compress)
+        _sync(engine.device)
+        self.decode_compress_seconds += time.perf_counter() - start
+
+    def _observe_and_compress_layers(self, compress: bool) -> None:
+        engine, cache, method = self.engine, self.cache, self.engine.method
         for layer in range(len(cache.layers)):
             stats = engine._with_raw_keys(cache, layer, cache.pass_stats[layer], method.decode_needs)
             method.observe(layer, cache.kv(layer), stats)
@@ -109,8 +118,6 @@ class Session:
                 (cache.kv(layer).lengths > n_keep.view(-1, 1)).any()
             ):
                 cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats, n_keep, "decode"))
-        _sync(engine.device)
-        self.decode_compress_seconds += time.perf_counter() - start
 
 
 class Engine:
@@ -189,10 +196,12 @@ class Engine:
         n_keep = self.budget.n_keep(lengths.cpu(), max_new_tokens, self.method.budget_basis).to(self.device)
         layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, cache.pass_stats).to(self.device)
         start = time.perf_counter()
-        for layer in range(self.num_layers):
-            stats = self._with_raw_keys(cache, layer, cache.pass_stats[layer], self.method.needs)
-            cache.set_kv(layer, self.method.compress(layer, cache.kv(layer), stats, layer_n_keep[layer], "prefill"))
-            cache.pass_stats[layer] = stats.__class__()  # drop the prompt statistics once used
+        with torch.inference_mode():
+            for layer in range(self.num_layers):
+                stats = self._with_raw_keys(cache, layer, cache.pass_stats[layer], self.method.needs)
+                kv = self.method.compress(layer, cache.kv(layer), stats, layer_n_keep[layer], "prefill")
+                cache.set_kv(layer, kv)
+                cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
         _sync(self.device)
         session = Session(self, cache, next_index=lengths.clone(), layer_n_keep=layer_n_keep)
         session.logits = logits[:, -1]
@@ -211,16 +220,19 @@ class Engine:
         suffixes: list[list[int]] | None = None,
         min_new_tokens: int = 0,
         pad_token_id: int = 0,
+        stop_when: Callable[[list[int]], bool] | None = None,
     ) -> list[Generation]:
         """Greedy decoding. ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the prefill
-        compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output)."""
+        compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output);
+        ``stop_when(tokens)`` ends a row once it returns True for the row's output so far (stop strings)."""
         with PeakMemory(self.device) as peak:
-            gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id)
+            gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id,
+                                  stop_when)
         for gen in gens:
             gen.peak_memory_bytes = peak.bytes
         return gens
 
-    def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id):
+    def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id, stop_when):
         B = len(prompts)
         _sync(self.device)
         t0 = time.perf_counter()
@@ -229,7 +241,7 @@ class Engine:
         if suffixes is not None:
             self._feed_ragged(session, suffixes, pad_token_id)
         for layer in session.cache.layers:
-            layer.kv.reserve(max_new_tokens)
+            layer.kv.reserve(max_new_tokens, exact=True)
         outputs: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         stopped = ["max_new_tokens"] * B
@@ -240,8 +252,8 @@ class Engine:
         steps = 0
         for step in range(max_new_tokens):
             logits = session.logits.float()
-            if step < min_new_tokens and stop.numel():
-                logits[:, stop] = -float("inf")
+            if step < min_new_tokens and stop.numel():  # out of place: the logits are an inference tensor
+                logits = logits.index_fill(1, stop, -float("inf"))
             next_tokens = logits.argmax(-1)
             for b in range(B):
                 if done[b]:
@@ -251,6 +263,8 @@ class Engine:
                     done[b], stopped[b] = True, "eos"
                 else:
                     outputs[b].append(token)
+                    if stop_when is not None and stop_when(outputs[b]):
+                        done[b], stopped[b] = True, "stop_string"
             if all(done) or step == max_new_tokens - 1:
                 break
             session.feed(next_tokens.view(B, 1), phase="decode")

@@ -84,11 +84,16 @@ class LayerKV:
             state={name: s[:, :, :t].contiguous() for name, s in self.state.items()},
         )
 
-    def reserve(self, extra: int) -> None:
-        """Grow the storage so that ``extra`` more slots fit in every row without re-allocation."""
+    def reserve(self, extra: int, exact: bool = False) -> None:
+        """Grow the storage so that ``extra`` more slots fit in every row without re-allocation.
+
+        Growth is geometric (at least half the current capacity) unless ``exact``, so a cache that grows one
+        token per step is copied O(log n) times, not n times; allocated_bytes() shows the slack."""
         need = self.max_length + extra
         if need <= self.capacity:
             return
+        if not exact:
+            need = max(need, self.capacity + self.capacity // 2)
         grow = need - self.capacity
 
         def pad(t: Tensor, value: float) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import logging
 import platform
 import random
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,6 +24,7 @@ from kvbench import models, store, trackers
 from kvbench.budget import Budget
 from kvbench.engine import Engine, peak_memory_bytes
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.methods.base import Method
 from kvbench.tasks.base import Task
 
@@ -58,27 +61,28 @@ def _git_commit() -> str | None:
         return None
 
 
+def _instantiate(node):
+    """hydra's instantiate, with a ConfigError raised by the target's validation passed through unwrapped
+    (Hydra wraps it in a multi-line InstantiationException)."""
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise
+
+
 def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
-    method = instantiate(cfg.method)
+    method = _instantiate(cfg.method)
     if not isinstance(method, Method):
         raise ConfigError(f"method config '{cfg.method.get('_target_')}' does not build a kvbench Method")
     budget = Budget(kind=cfg.budget.kind, value=cfg.budget.value)
-    task = instantiate(cfg.task)
+    task = _instantiate(cfg.task)
     if not isinstance(task, Task):
         raise ConfigError(f"task config '{cfg.task.get('_target_')}' does not build a kvbench Task")
     lm = models.load(cfg.model)
     return lm, method, budget, task
-
-
-def check_fits(prompts, lm: models.LanguageModel, samples) -> None:
-    """A prompt that cannot fit the model's context is an error, never a silent overflow."""
-    for prompt, sample in zip(prompts, samples):
-        total = len(prompt.context_ids) + len(prompt.suffix_ids or []) + prompt.max_new_tokens
-        if total > lm.max_length:
-            raise ConfigError(
-                f"sample '{sample.id}' needs {total} tokens (prompt + max_new_tokens) but model "
-                f"'{lm.name}' has max_length={lm.max_length}; enable the task's truncation or use shorter contexts"
-            )
 
 
 def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
@@ -109,6 +113,7 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     started = dt.datetime.now(dt.timezone.utc)
+    dispatch.set_backend(cfg.kernels.backend)
     lm, method, budget, task = build(cfg)
     engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode)
     samples = task.samples()
@@ -116,7 +121,8 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
         samples = samples[: int(cfg.limit)]
     if not samples:
         raise ConfigError(f"task '{task.name}' produced no samples")
-    check_fits([task.build_prompt(s, lm) for s in samples], lm, samples)
+    for sample in samples:
+        task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
     device = engine.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -160,8 +166,11 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
         "attn_implementation": cfg.model.attn_implementation,
         "dtype": cfg.model.dtype,
         "device": str(device),
+        "kernels_backend": cfg.kernels.backend,
+        "kernels_ran": dict(dispatch.ran),
         "seed": cfg.seed,
         "hostname": platform.node(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "start": started.isoformat(),
         "end": dt.datetime.now(dt.timezone.utc).isoformat(),
         "run_id": rid,
@@ -172,7 +181,8 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
         "n_samples": len(samples),
     }
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir)
+    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
+                            artifacts=task.artifacts(predictions))
     log.info("run %s written to %s", rid, final)
     trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
     return final

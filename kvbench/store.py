@@ -52,9 +52,10 @@ def _write_parquet(df: pd.DataFrame, path: Path) -> None:
 
 def write_run(
     root: Path, rid: str, config_yaml: str, predictions: pd.DataFrame, metrics: pd.DataFrame, meta: dict,
-    copy_to: Path | None = None,
+    copy_to: Path | None = None, artifacts: dict[str, str] | None = None,
 ) -> Path:
-    """Publish a finished run atomically; optionally also copy its files into ``copy_to`` (the Hydra run dir)."""
+    """Publish a finished run atomically (with the task's extra ``artifacts``: relative path -> text);
+    optionally also copy its files into ``copy_to`` (the Hydra run dir)."""
     runs = Path(root) / RUNS
     runs.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{rid}-", dir=runs))
@@ -62,6 +63,12 @@ def write_run(
         (tmp / "config.yaml").write_text(config_yaml)
         predictions.to_parquet(tmp / "predictions.parquet", index=False)
         metrics.to_parquet(tmp / "metrics.parquet", index=False)
+        for name, text in (artifacts or {}).items():
+            path = tmp / name
+            if tmp not in path.resolve().parents:
+                raise ValueError(f"artifact path '{name}' leaves the run directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
         (tmp / FINISHED_MARKER).write_text(json.dumps(meta, indent=2, default=str))
         final = run_dir(root, rid)
         if final.exists():  # a half-published or stale directory from a crashed run: replace it
@@ -71,9 +78,7 @@ def write_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if copy_to is not None:
-        copy_to.mkdir(parents=True, exist_ok=True)
-        for name in ("config.yaml", "predictions.parquet", "metrics.parquet", FINISHED_MARKER):
-            shutil.copy2(final / name, copy_to / name)
+        shutil.copytree(final, copy_to, dirs_exist_ok=True)
     clear_mark(root, rid)
     collect(root)
     return final

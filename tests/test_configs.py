@@ -11,7 +11,7 @@ from kvbench import runner
 from kvbench.methods.base import Method
 from kvbench.tasks.base import Task
 
-from conftest import CONF
+from tests.conftest import CONF
 
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 TASKS = sorted(p.stem for p in (CONF / "task").glob("*.yaml"))

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from kvbench import runner, store
 from kvbench.errors import ConfigError
 
-from conftest import CONF, REPO
+from tests.conftest import CONF, REPO
 
 
 def make_cfg(tmp_path, *overrides):

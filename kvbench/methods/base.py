@@ -109,3 +109,9 @@ def check_unit_interval(method: str, **values: float) -> None:
 def per_sample_n_keep(n_keep: Tensor, kv: LayerKV) -> Tensor:
     """(B,) budget -> (B, H) clamped to each row's length (a row shorter than the budget keeps everything)."""
     return torch.minimum(n_keep.to(kv.lengths).unsqueeze(-1).expand_as(kv.lengths), kv.lengths)
+
+def check_count(method: str, minimum: int, **values) -> None:
+    """Raise a ConfigError naming every value that is not an integer >= ``minimum``."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{method}: {key}={value!r} must be an integer >= {minimum}")

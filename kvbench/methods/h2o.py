@@ -26,8 +26,7 @@ from torch import Tensor
 
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
-from kvbench.methods.streamingllm import check_count
+from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep
 
 SCORE = "score"
 
@@ -51,16 +50,14 @@ class H2O(Method):
         check_count(self.name, 0, sinks=self.sinks)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """Accumulate the newest query's attention (B, H, T') into the score of slots [0, T')."""
-        step = stats.step_attention
-        if SCORE not in kv.state:  # the prefill compression was not run on this cache
-            kv.state[SCORE] = torch.zeros(kv.positions.shape, device=kv.keys.device)
-        score = kv.state[SCORE]
-        score[..., : step.shape[-1]] += step.to(score.dtype)
+        """Accumulate the newest query's attention into the per-slot score."""
+        step = stats.step_attention.float().clone()  # summed over the pass's queries
+        # Out of place: the state may have been (re)allocated inside the forward's inference mode.
+        kv.state[SCORE] = kv.state[SCORE] + step if SCORE in kv.state else step
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
-            kv.state[SCORE] = self._slot_aligned(stats.column_sums, kv)
+            kv.state[SCORE] = stats.column_sums.float().clone()
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         heavy = torch.floor(self.heavy_ratio * keep.double()).long()
         # Per-row (B, H, 1) counts, broadcast by keep_topk: every row gets its own window and sinks.
@@ -69,10 +66,3 @@ class H2O(Method):
         index, lengths = keep_topk(kv.state[SCORE], keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
 
-    @staticmethod
-    def _slot_aligned(stat: Tensor, kv: LayerKV) -> Tensor:
-        """(B, H, T') statistic -> (B, H, capacity) float32 state (statistics cover slots [0, T'))."""
-        out = torch.zeros(kv.positions.shape, dtype=torch.float32, device=kv.keys.device)
-        t = min(stat.shape[-1], kv.capacity)
-        out[..., :t] = stat[..., :t]
-        return out

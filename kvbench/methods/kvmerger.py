@@ -36,7 +36,6 @@ layer after the prompt; zero per decode step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -160,11 +159,11 @@ class KVMerger(Method):
         """Optional deviation: drop the lowest-score slots of rows still above ``n_keep`` (B,)."""
         G = pivot.shape[-1]
         set_score = group_sum(score, groups, G)  # (B, H, G) summed attention of each set
-        set_protected = protected.gather(2, pivot) & (set_score >= 0)
+        set_protected = protected.gather(2, pivot)  # protected slots are sets of one
         # Protected slots outrank the others whatever their scores (scores are attention sums in [0, n]).
         priority = set_score + set_protected.float() * (1.0 + score.sum(-1, keepdim=True))
         priority = priority.masked_fill(~merged.valid()[..., :G], -float("inf"))
         keep = topk_mask(priority, torch.minimum(merged.lengths, n_keep.to(merged.lengths).view(-1, 1)))
         lengths = keep.sum(-1)
-        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., : max(int(lengths.max()), 1)]
+        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., : int(lengths.max())]
         return merged.gather(order, lengths)

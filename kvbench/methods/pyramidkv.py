@@ -70,9 +70,10 @@ class PyramidKV(SnapKV):
 
 def round_to_total(values: Tensor, total: Tensor) -> Tensor:
     """Integer (L, B) near ``values`` whose column sums equal ``total`` (B,): floor, then give the missing
-    units to the largest fractional parts, ties to the lower row (keeps a non-increasing column so)."""
+    units to the largest fractional parts, ties to the lower row (a non-increasing column stays so)."""
     floors = values.floor()
     missing = (total.to(values) - floors.sum(0)).round().long()  # (B,)
     order = (floors - values).argsort(dim=0, stable=True)  # largest fraction first
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(values), device=values.device).view(-1, 1).expand_as(order))
+    ranks = torch.arange(len(values), device=values.device).view(-1, 1).expand_as(order)
+    rank = torch.empty_like(order).scatter_(0, order, ranks)  # rank[layer, b] of each layer's fraction
     return floors.long() + (rank < missing.view(1, -1)).long()

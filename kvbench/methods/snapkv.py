@@ -32,7 +32,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.select import keep_topk, pool1d
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, per_sample_n_keep
-from kvbench.methods.streamingllm import check_count
+from kvbench.methods.base import check_count
 
 POOLING = ("max", "mean")
 

@@ -20,17 +20,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.errors import ConfigError
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, per_sample_n_keep
+from kvbench.methods.base import Method, check_count, per_sample_n_keep
 
-
-def check_count(method: str, minimum: int, **values) -> None:
-    """Raise a ConfigError naming every value that is not an integer >= ``minimum``."""
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{method}: {key}={value!r} must be an integer >= {minimum}")
 
 
 def sinks_and_recent(n_keep: Tensor, sinks: int) -> tuple[Tensor, Tensor]:

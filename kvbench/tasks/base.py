@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import pandas as pd
 
+from kvbench.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvbench.engine import Engine
     from kvbench.models import LanguageModel
@@ -38,6 +40,7 @@ class Prompt:
     max_new_tokens: int
     suffix_ids: list[int] | None = None
     stop_token_ids: set[int] = field(default_factory=set)
+    stop_strings: list[str] = field(default_factory=list)  # generation stops once the output contains one
     min_new_tokens: int = 0
     truncated: bool = False
 
@@ -61,6 +64,16 @@ class Task:
         """Turn decoded text into the prediction that is stored and scored (default: unchanged)."""
         return prediction
 
+    def check_fits(self, prompt: Prompt, sample: Sample, lm: "LanguageModel", position_mode: str) -> None:
+        """A prompt that cannot fit the model's context is an error, never a silent overflow. Tasks that
+        stream past the context legitimately (perplexity with pos-shift positions) override this."""
+        total = len(prompt.context_ids) + len(prompt.suffix_ids or []) + prompt.max_new_tokens
+        if total > lm.max_length:
+            raise ConfigError(
+                f"sample '{sample.id}' needs {total} tokens (prompt + max_new_tokens) but model "
+                f"'{lm.name}' has max_length={lm.max_length}; enable the task's truncation or use shorter contexts"
+            )
+
     def dataset_of(self, sample: Sample) -> str:
         return sample.meta.get("dataset", self.name)
 
@@ -76,15 +89,21 @@ class Task:
                                  "value": round(100 * float(values.mean()), 2), "n": int(len(values))})
         return rows
 
+    def artifacts(self, predictions: pd.DataFrame) -> dict[str, str]:
+        """Extra files published inside the run directory (relative path -> text), e.g. leaderboard
+        submissions. Default: none."""
+        return {}
+
     def predict(self, samples: list[Sample], lm: "LanguageModel", engine: "Engine") -> list[dict]:
         """Generate greedily for a batch of samples; one result row per sample."""
         prompts = [self.build_prompt(s, lm) for s in samples]
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prompts):  # one engine call per identical decoding setup
-            key = (p.max_new_tokens, frozenset(p.stop_token_ids), p.min_new_tokens, p.suffix_ids is None)
+            key = (p.max_new_tokens, frozenset(p.stop_token_ids), tuple(p.stop_strings), p.min_new_tokens,
+                   p.suffix_ids is None)
             groups.setdefault(key, []).append(i)
         rows: list[dict | None] = [None] * len(samples)
-        for (max_new, stops, min_new, no_suffix), idx in groups.items():
+        for (max_new, stops, stop_strings, min_new, no_suffix), idx in groups.items():
             gens = engine.generate(
                 [prompts[i].context_ids for i in idx],
                 max_new_tokens=max_new,
@@ -92,6 +111,7 @@ class Task:
                 suffixes=None if no_suffix else [prompts[i].suffix_ids for i in idx],
                 min_new_tokens=min_new,
                 pad_token_id=lm.pad_token_id,
+                stop_when=stop_string_check(lm, stop_strings),
             )
             for i, gen in zip(idx, gens):
                 sample = samples[i]
@@ -110,6 +130,20 @@ class Task:
                 row.update({f"metric.{k}": v for k, v in self.score(text, sample).items()})
                 rows[i] = row
         return rows
+
+
+def stop_string_check(lm: "LanguageModel", stop_strings: tuple[str, ...]):
+    """A per-row check for the engine: True once the decoded output ends with text containing a stop string.
+    Only the tail is decoded (enough tokens to hold the longest stop string), so a step costs O(1)."""
+    if not stop_strings:
+        return None
+    tail = 4 * max(len(s) for s in stop_strings) + 8
+
+    def stopped(tokens: list[int]) -> bool:
+        text = lm.decode(tokens[-tail:])
+        return any(s in text for s in stop_strings)
+
+    return stopped
 
 
 def generation_measurements(gen) -> dict:

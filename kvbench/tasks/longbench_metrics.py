@@ -11,6 +11,7 @@ Known quirks of the official code are reproduced on purpose (they change reporte
 
 from __future__ import annotations
 
+import logging
 import re
 import string
 from collections import Counter
@@ -18,6 +19,8 @@ from difflib import SequenceMatcher
 
 import jieba
 from rouge import Rouge
+
+jieba.setLogLevel(logging.WARNING)  # its dictionary-loading chatter otherwise floods every run's log
 
 # Official Chinese punctuation set, verbatim (it has '》' but not '《').
 CN_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."

@@ -61,9 +61,10 @@ class Passkey(Task):
         key, length, depth = sample.meta["key"], sample.meta["context_length"], sample.meta["depth"]
         needle = NEEDLE.format(key=key)
         tail = f"\n{QUESTION} {ANSWER_PREFIX}"
-        fixed = len(lm.encode(lm.chat(f"{INSTRUCTION}\n{needle}{tail}"), add_special_tokens=False))
+        # measured as the final prompt is encoded (a BOS added for format-string chat formats counts too)
+        fixed = len(lm.encode_prompt(lm.chat(f"{INSTRUCTION}\n{needle}{tail}"), templated=True))
         per_filler = max(1, len(lm.encode(FILLER * 8, add_special_tokens=False)) / 8)
-        n_filler = max(0, int((length - fixed) / per_filler))
+        n_filler = max(0, int((length - fixed) / per_filler))  # no filler if the target is below `fixed`
         before = round(n_filler * depth / 100)
         text = f"{INSTRUCTION}\n{FILLER * before}{needle}{FILLER * (n_filler - before)}"
         ids = lm.encode_prompt(lm.chat(text + tail), templated=True)

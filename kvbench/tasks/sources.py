@@ -74,7 +74,8 @@ def _from_hub(ref: DataRef, revision: str | None) -> tuple[list[dict], dict]:
     try:
         import datasets
     except ImportError as err:
-        raise ConfigError(f"task.source=hub needs the 'datasets' package (pip install datasets); or {local_hint}") from err
+        raise ConfigError(f"task.source=hub needs the 'datasets' package (pip install datasets); "
+                          f"or {local_hint}") from err
     try:
         data = datasets.load_dataset(ref.hub_id, ref.config, split=ref.split, revision=revision)
     except Exception as err:  # noqa: BLE001 - offline, unknown config, script datasets on datasets>=4 ...

@@ -1,0 +1,193 @@
+"""Chelsea (Hu, Wang et al., "Efficient Long-Context LLM Inference via KV Cache Clustering"), methods.md §5.
+
+Per layer and KV head, the first ``sinks`` and last ``recent`` slots are kept; the slots between them (the
+clusterable region) are clustered by Chunked Soft Matching (CSM): the region is cut into chunks of
+``chunk_size``, each chunk split alternately into sets A (even offsets) and B (odd offsets), every A slot gets
+an edge to its most similar B slot of the chunk (key cosine), and the top edges over all chunks are kept:
+``max(1, floor(r * region))`` of them, and never more than the row's excess over its budget, so the last
+step lands exactly on the budget. Each B slot and the A slots joined to it become one centroid,
+k = sum n_i k_i / sum n_i, v likewise, degree n = sum n_i, placed at the B slot (its position) [I].
+Steps repeat until every row fits its budget (one step removes at most half the region).
+
+Budget: ``budget_basis="prompt_plus_generation"``, B = rho * (prompt + max_new_tokens) per head.
+Decode: the cache grows by one slot per step and is clustered back to B every ``decode_interval`` steps
+(the paper's threshold B + Delta with Delta lost; [I] Delta = 64 = ``recent``), so between two clusterings a
+row holds up to B + decode_interval - 1 slots, as in the paper.
+
+Readings (methods.md §5.c/5.g), flagged [I]:
+- Keys are the cached post-RoPE keys. The per-slot degree is tracked in ``state["merged_tokens"]``
+  (= degree - 1, so that appended tokens start at degree 1). The paper's attention over centroids weighs a
+  centroid by its degree (a log n logit bias); kvbench's attention has no per-slot bias yet, so the degree
+  is stored but not used at attention time (engine change requested).
+- Compression-ratio schedule: r_t = max(r0 - r_decay * min(t, r_steps), r_min), t = step index within one
+  compression call; the defaults (r_decay=0) give the constant ratio r0 the paper uses for NIAH. The paper's
+  per-model constants are lost.
+- If a budget cannot hold sinks + recent + 1 slots, the windows shrink for that row (recent first kept,
+  then sinks), so the budget always holds.
+- Outlier heads (``outlier_heads_file``, written by ``python -m kvbench.methods.chelsea_calibrate``) keep a
+  full cache. Budget reallocation (App. C.2): with H heads in all (layers x KV heads) and H_o outliers,
+  normal heads get B' = floor((H * B - H_o * n) / (H - H_o)), clamped to [1, B], where n = prompt length:
+  outlier heads are charged what they hold when the budget is set. Their growth while generating (H_o x
+  max_new_tokens tokens) is not charged: methods are not told max_new_tokens (engine change requested).
+
+Cost: no attention statistics (FlashAttention-compatible). One CSM step over a region of m slots costs
+O(m * chunk_size * d / 4) for the in-chunk cosines, O(m log m) for ranking edges and O(m d) for the merge;
+prefill runs about log_{1/(1-r)}(m / B) steps; decode runs one step on about B + decode_interval slots every
+decode_interval steps, i.e. O(B * chunk_size * d / (4 * decode_interval)) per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvbench.errors import ConfigError
+from kvbench.kernels.matching import chunked_soft_matching, topk_mask
+from kvbench.kernels.merge import group_sum, scatter_merge
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.base import Method
+
+MERGED = "merged_tokens"  # per-slot state: original tokens merged into the slot besides its own (degree - 1)
+
+
+@dataclass
+class Chelsea(Method):
+    """sinks, recent: protected slots; chunk_size: CSM chunk (null = no chunking); r0, r_decay, r_steps,
+    r_min: compression-ratio schedule; outlier_heads_file: calibration JSON (null = no outlier heads)."""
+
+    name: ClassVar[str] = "chelsea"
+    phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    budget_basis: ClassVar[str] = "prompt_plus_generation"
+
+    sinks: int = 16
+    recent: int = 64
+    chunk_size: int | None = 256
+    r0: float = 0.5
+    r_decay: float = 0.0
+    r_steps: int = 0
+    r_min: float = 0.1
+    outlier_heads_file: str | None = None
+    compress_during_decode: bool = True
+    decode_interval: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sinks < 0 or self.recent < 0:
+            raise ConfigError(f"{self.name}: sinks={self.sinks}, recent={self.recent} must be >= 0")
+        if self.chunk_size is not None and self.chunk_size < 2:
+            raise ConfigError(f"{self.name}: chunk_size={self.chunk_size}; accepted: an integer >= 2 or null")
+        if not 0 < self.r0 <= 0.5:
+            raise ConfigError(f"{self.name}: r0={self.r0} must be in (0, 0.5] (a CSM step removes at most half)")
+        if not 0 <= self.r_min <= self.r0:
+            raise ConfigError(f"{self.name}: r_min={self.r_min} must be in [0, r0={self.r0}]")
+        if self.r_decay < 0 or self.r_steps < 0:
+            raise ConfigError(f"{self.name}: r_decay={self.r_decay}, r_steps={self.r_steps} must be >= 0")
+        self._outliers = load_outlier_heads(self.outlier_heads_file)
+
+    def ratio(self, step: int) -> float:
+        """Compression ratio r_t of clustering step ``step`` (0-based) within one compression call."""
+        return max(self.r0 - self.r_decay * min(step, self.r_steps), self.r_min)
+
+    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+        """(B,) -> (L, B): B' for the normal heads of every layer (outlier heads ignore it)."""
+        budgets = super().layer_budgets(n_keep, num_layers, prefill_stats)
+        if self._outliers is None:
+            return budgets
+        shape = self._outliers["shape"]
+        if shape[0] != num_layers:
+            raise ConfigError(f"{self.name}: outlier_heads_file {self.outlier_heads_file} is for {shape[0]} "
+                              f"layers; this model has {num_layers}")
+        total, n_out = shape[0] * shape[1], len(self._outliers["heads"])
+        if n_out == total:
+            return budgets
+        prompt = prefill_stats[0].num_queries.to(n_keep)
+        normal = torch.div(total * n_keep - n_out * prompt, total - n_out, rounding_mode="floor")
+        return torch.minimum(normal.clamp(min=1), n_keep).unsqueeze(0).expand(num_layers, -1).clone()
+
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+        if MERGED not in kv.state:
+            kv.state[MERGED] = torch.zeros(kv.positions.shape, device=kv.keys.device)
+        target = n_keep.to(kv.lengths).view(-1, 1).expand_as(kv.lengths)
+        target = torch.where(self.outlier_rows(layer, kv), kv.lengths, target)  # outlier heads stay full
+        step = 0
+        while bool((kv.lengths > target).any()):
+            kv = self.cluster_step(kv, target, self.ratio(step))
+            step += 1
+        return kv
+
+    def outlier_rows(self, layer: int, kv: LayerKV) -> Tensor:
+        """(B, H) bool: rows of this layer that keep a full cache."""
+        rows = torch.zeros_like(kv.lengths, dtype=torch.bool)
+        if self._outliers is None:
+            return rows
+        heads = kv.lengths.shape[1]
+        if self._outliers["shape"][1] != heads:
+            raise ConfigError(f"{self.name}: outlier_heads_file {self.outlier_heads_file} is for "
+                              f"{self._outliers['shape'][1]} KV heads per layer; this model has {heads}")
+        for out_layer, head in self._outliers["heads"]:
+            if out_layer == layer:
+                rows[:, head] = True
+        return rows
+
+    def cluster_step(self, kv: LayerKV, target: Tensor, r: float) -> LayerKV:
+        """One CSM step on every row above its ``target`` (B, H); returns the re-allocated cache."""
+        recent = torch.minimum(torch.full_like(target, self.recent), target - 1)
+        sinks = torch.minimum(torch.full_like(target, self.sinks), target - 1 - recent)
+        region = (kv.lengths - sinks - recent).clamp(min=0)
+        partner, similarity = chunked_soft_matching(kv.keys, sinks, region, self.chunk_size)
+        excess = (kv.lengths - target).clamp(min=0)
+        per_step = torch.floor(r * region.double()).long().clamp(min=1)
+        absorbed = topk_mask(similarity, torch.minimum(excess, per_step))  # A slots merged into their B
+        if not bool(absorbed.any()):
+            raise RuntimeError(f"chelsea: no edge left to merge (lengths {kv.lengths.tolist()}, target "
+                               f"{target.tolist()})")
+        return merge_clusters(kv, absorbed, partner)
+
+
+def merge_clusters(kv: LayerKV, absorbed: Tensor, partner: Tensor) -> LayerKV:
+    """Degree-weighted centroids: every ``absorbed`` slot (B, H, T) joins the slot ``partner`` points to."""
+    valid = kv.valid()
+    survivor = valid & ~absorbed
+    rank = survivor.long().cumsum(-1) - 1  # new index of every surviving slot
+    slots = torch.arange(kv.capacity, device=kv.keys.device).expand_as(rank)
+    destination = torch.where(absorbed, partner, slots)
+    groups = torch.where(valid, rank.gather(2, destination.clamp(min=0)), -1)
+    lengths = survivor.sum(-1)
+    G = int(lengths.max())
+    degree = (kv.state[MERGED].float() + 1) * valid
+    cluster_degree = group_sum(degree, groups, G)  # (B, H, G)
+    weight = degree / cluster_degree.gather(2, groups.clamp(min=0)).clamp(min=1)
+    order = (~survivor).to(torch.int8).argsort(dim=-1, stable=True)[..., :G]
+    merged = kv.gather(order, lengths)  # positions (the B slot's) and other state follow the survivor
+    merged.keys = scatter_merge(kv.keys, groups, weight, G)
+    merged.values = scatter_merge(kv.values, groups, weight, G)
+    merged.state[MERGED] = (cluster_degree - 1).to(kv.state[MERGED].dtype)
+    merged.zero_padding()
+    return merged
+
+
+def load_outlier_heads(path: str | None) -> dict | None:
+    """Read the calibration JSON: {"num_layers": L, "num_key_value_heads": H, "outlier_heads": [[l, h], ...]}."""
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"chelsea: outlier_heads_file '{path}' does not exist; accepted: a calibration JSON "
+                          "written by `python -m kvbench.methods.chelsea_calibrate`, or null")
+    data = json.loads(file.read_text())
+    try:
+        shape = (int(data["num_layers"]), int(data["num_key_value_heads"]))
+        heads = sorted({(int(layer), int(head)) for layer, head in data["outlier_heads"]})
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"chelsea: outlier_heads_file '{path}' is malformed ({err!r}); expected keys "
+                          "num_layers, num_key_value_heads, outlier_heads = [[layer, kv_head], ...]") from err
+    bad = [pair for pair in heads if not (0 <= pair[0] < shape[0] and 0 <= pair[1] < shape[1])]
+    if bad:
+        raise ConfigError(f"chelsea: outlier heads {bad} in '{path}' are outside {shape[0]} layers x "
+                          f"{shape[1]} KV heads")
+    return {"shape": shape, "heads": heads}

@@ -1,0 +1,211 @@
+"""D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025). methods.md §3; the paper text lost its
+equations, so formulas are reconstructed from its prose and, where marked [C], the authors' code.
+
+Layer level (once, from the prompt attention), ``layer_budgets``:
+- D_l = variance over slots of the prompt column sums, per head, min-max normalised across the heads of the
+  layer and averaged over heads [C]; lambda = softmax_l(-D_l) ("inverse variance softmax"; alternatives
+  ``allocation``: reciprocal_variance lambda ~ 1 / mean_h var, uniform) [P names, Table 4].
+- S_l = lambda_l * L * n_keep (alpha, the compression ratio, is the run's budget: n_keep = alpha * prompt),
+  each clamped to [0.01, 1] * prompt [C] and rounded so that sum_l S_l = L * n_keep exactly.
+- ``protect_layers``: layers kept at the full prompt length (the code keeps 0, 1 and L-1 uncompressed); they
+  count inside the total, so the other layers share L * n_keep - |protected| * prompt.
+Token level (prefill and every decode step), ``compress``:
+- keep n_sinks sinks + M recent + top-N accumulated attention (sinks inside N, [C]), N:M = n_heavy:n_recent;
+- every evicted e finds its most similar kept c by key cosine (post-RoPE keys, [C]): u_e = max_c cos(k_e, k_c);
+- EMA threshold: tau = mean_e u_e at the first compression, then tau = beta * mean_e u_e + (1 - beta) * tau_prev;
+  e merges iff u_e >= tau (this step's tau), else it is discarded [P Eq. 10];
+- ``merge_rule="weighted"`` [P Eqs. 11-12, GAT-style]: for kept c with merge set E_c,
+  Z = e^1 + sum_e exp(u_e), k_c <- (e^1 k_c + sum_e exp(u_e) k_e) / Z, same weights for v_c (convex);
+  ``merge_rule="code_mean"`` [C]: k_c <- (k_c + sum_e u_e k_e) / (1 + |E_c|) (weights do not sum to 1).
+
+Interpretations:
+- [I] ``threshold_scope="head"`` (recommended): one tau per (sample, layer, KV head), per-head decisions.
+  ``"layer"`` [C]: one tau per (sample, layer) = mean of u over every evicted (head, token) pair; each head
+  still decides with its own u_e. The threshold lives in the cache (state "ema_threshold", the row's tau
+  repeated on every slot; NaN until the row's first eviction), so it follows its sequence and layer.
+- [I] Budgets are computed per sample (the code averages the variance over the batch).
+- [I] A merged kept slot keeps its own position and accumulated attention.
+- [I] Prompt compression happens right after the prompt pass (the code defers it to the first decode step).
+- [I] A budget at or above the prompt length gives every layer n_keep (nothing to allocate at prefill).
+- [I] GQA: the engine averages the attention of the query heads of each KV group; merges are per KV head.
+
+Cost per compression of a row (T slots, S_l kept, E = T - S_l evicted, head dim d): selection O(T log T),
+matching O(E * S_l * d) (prefill: the |E| x |C| block in chunks; decode: E = 1, so O(S_l * d)), merge O(T d).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvbench.errors import ConfigError
+from kvbench.kernels.merge import group_sum, scatter_merge
+from kvbench.kernels.select import keep_topk
+from kvbench.kernels.similarity import best_match_cosine
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
+from kvbench.methods.base import check_count
+
+ATTENTION = "attention"
+THRESHOLD = "ema_threshold"
+ALLOCATIONS = ("inverse_variance_softmax", "reciprocal_variance", "uniform")
+SCOPES = ("head", "layer")
+MERGE_RULES = ("weighted", "code_mean")
+MIN_LAYER_RATIO = 0.01  # [C] a layer keeps at least 1% of the prompt
+
+
+@dataclass
+class D2O(Method):
+    """beta: EMA weight of the current similarity. n_heavy:n_recent: heavy-hitter : recent split of a layer's
+    budget. n_sinks: first tokens always kept (inside the heavy share). allocation, protect_layers,
+    threshold_scope, merge_rule: see the module docstring."""
+
+    name: ClassVar[str] = "d2o"
+    needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
+    decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
+    phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+
+    beta: float = 0.7
+    n_heavy: int = 3
+    n_recent: int = 1
+    n_sinks: int = 4
+    allocation: str = "inverse_variance_softmax"
+    protect_layers: list[int] = field(default_factory=list)
+    threshold_scope: str = "head"
+    merge_rule: str = "weighted"
+    compress_during_decode: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_unit_interval(self.name, beta=self.beta)
+        check_count(self.name, 0, n_heavy=self.n_heavy, n_recent=self.n_recent, n_sinks=self.n_sinks)
+        if self.n_heavy + self.n_recent == 0:
+            raise ConfigError("d2o: n_heavy + n_recent must be > 0")
+        self.protect_layers = [int(layer) for layer in self.protect_layers]
+        for key, value, accepted in (("allocation", self.allocation, ALLOCATIONS),
+                                     ("threshold_scope", self.threshold_scope, SCOPES),
+                                     ("merge_rule", self.merge_rule, MERGE_RULES)):
+            if value not in accepted:
+                raise ConfigError(f"d2o: unknown {key} '{value}'; accepted: {', '.join(accepted)}")
+
+    # -- layer level ---------------------------------------------------------------------------------
+
+    def layer_weights(self, prefill_stats: list[AttentionStats]) -> Tensor:
+        """(L, B) unnormalised allocation weights lambda from each layer's prompt column sums (B, H, T)."""
+        if self.allocation == "uniform":
+            return torch.ones(len(prefill_stats), prefill_stats[0].column_sums.shape[0], dtype=torch.float64)
+        variances = []
+        for stats in prefill_stats:
+            col = stats.column_sums.double()
+            slots = torch.arange(col.shape[-1], device=col.device).view(1, 1, -1)
+            real = slots < stats.num_queries.to(col.device).view(-1, 1, 1)
+            mean = (col * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
+            variances.append((((col - mean) ** 2) * real).sum(-1) / real.sum(-1).clamp(min=1))  # (B, H)
+        var = torch.stack(variances).cpu()  # (L, B, H)
+        if self.allocation == "reciprocal_variance":
+            return 1.0 / var.mean(-1).clamp(min=1e-12)
+        low, high = var.amin(-1, keepdim=True), var.amax(-1, keepdim=True)
+        density = ((var - low) / (high - low).clamp(min=1e-12)).mean(-1)  # D_l in [0, 1], (L, B)
+        return torch.softmax(-density, dim=0)
+
+    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+        """(B,) -> (L, B) per-layer budgets summing to L * n_keep per sample (module docstring)."""
+        bad = [layer for layer in self.protect_layers if not 0 <= layer < num_layers]
+        if bad:
+            raise ConfigError(f"d2o: protect_layers {bad} outside the model's layers 0..{num_layers - 1}")
+        weights = self.layer_weights(prefill_stats)
+        prompt = prefill_stats[0].num_queries.cpu()
+        budgets = torch.empty(num_layers, len(n_keep), dtype=torch.long)
+        free = torch.tensor([layer not in self.protect_layers for layer in range(num_layers)])
+        for b, (keep, length) in enumerate(zip(n_keep.tolist(), prompt.tolist())):
+            if keep >= length:
+                budgets[:, b] = keep
+                continue
+            rest = num_layers * keep - (num_layers - int(free.sum())) * length
+            if rest < int(free.sum()):
+                raise ConfigError(
+                    f"d2o: protect_layers={self.protect_layers} keep {length} tokens each, more than the total "
+                    f"budget {num_layers} x {keep} allows; lower protect_layers or raise the budget")
+            budgets[:, b] = length
+            low = min(max(1, math.ceil(MIN_LAYER_RATIO * length)), rest // int(free.sum()))
+            budgets[free, b] = allocate(weights[free, b], rest, low, length)
+        return budgets.to(n_keep.device)
+
+    # -- token level ---------------------------------------------------------------------------------
+
+    def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
+        """H2O accumulation of the newest query's attention (out of place: storage may be an inference tensor)."""
+        step = stats.step_attention.float().clone()
+        kv.state[ATTENTION] = kv.state[ATTENTION] + step if ATTENTION in kv.state else step
+
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+        if phase == "prefill":
+            kv.state[ATTENTION] = stats.column_sums.float().clone()
+        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
+        recent = torch.round(keep.double() * self.n_recent / (self.n_heavy + self.n_recent)).long()
+        sinks = (keep - recent).clamp(max=self.n_sinks)
+        index, lengths = keep_topk(kv.state[ATTENTION], keep, kv.lengths,
+                                   sinks=sinks.unsqueeze(-1), recent=recent.unsqueeze(-1))
+        valid = kv.valid()
+        kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
+        evicted = valid & ~kept
+        similarity, match = best_match_cosine(kv.keys, evicted, kept)  # (B, H, T) each
+        threshold = self._threshold(kv, similarity, evicted)  # (B, H)
+        merged = evicted & (match >= 0) & (similarity >= threshold.unsqueeze(-1))
+        new_slot = kept.long().cumsum(-1) - 1  # compact index of each kept slot
+        target = torch.where(kept, new_slot, torch.where(merged, new_slot.gather(2, match.clamp(min=0)), -1))
+        weight = self._merge_weights(kept, merged, similarity, target, index.shape[-1])
+        out = kv.gather(index, lengths)
+        out.keys = scatter_merge(kv.keys, target, weight, index.shape[-1])
+        out.values = scatter_merge(kv.values, target, weight, index.shape[-1])
+        out.state[THRESHOLD] = threshold.float().unsqueeze(-1).expand(-1, -1, out.capacity).clone()
+        out.zero_padding()
+        return out
+
+    def _threshold(self, kv: LayerKV, similarity: Tensor, evicted: Tensor) -> Tensor:
+        """This step's EMA threshold (B, H); rows without evictions keep the previous one (NaN: none yet)."""
+        previous = kv.state[THRESHOLD][:, :, 0] if THRESHOLD in kv.state else torch.full(
+            kv.lengths.shape, float("nan"), device=kv.keys.device)
+        u = torch.where(evicted, similarity, 0.0)
+        total, count = u.sum(-1), evicted.sum(-1).float()  # (B, H)
+        if self.threshold_scope == "layer":
+            total = total.sum(-1, keepdim=True).expand_as(total)
+            count = count.sum(-1, keepdim=True).expand_as(count)
+        current = total / count.clamp(min=1)
+        smoothed = torch.where(previous.isnan(), current, self.beta * current + (1 - self.beta) * previous)
+        return torch.where(count > 0, smoothed, previous)
+
+    def _merge_weights(self, kept: Tensor, merged: Tensor, similarity: Tensor, target: Tensor, K: int) -> Tensor:
+        """(B, H, T) weight of every slot inside its target's merge (0 for slots that go nowhere)."""
+        if self.merge_rule == "weighted":
+            raw = torch.where(kept, math.e, torch.where(merged, similarity.exp(), 0.0))
+            norm = group_sum(raw, target, K)  # Z of each kept slot: e^1 + sum exp(u_e)
+        else:
+            raw = torch.where(kept, 1.0, torch.where(merged, similarity, 0.0))
+            norm = group_sum((kept | merged).float(), target, K)  # 1 + |E_c|
+        return raw / norm.gather(2, target.clamp(min=0)).clamp(min=1e-12)
+
+
+def allocate(weights: Tensor, total: int, low: int, high: int) -> Tensor:
+    """Integer split of ``total`` proportional to ``weights`` (L,), each part clamped to [low, high].
+
+    Finds c with sum_l clamp(c * w_l, low, high) = total by bisection (the sum is monotone in c), then rounds by
+    largest remainders so the parts sum to ``total`` exactly (when L * low <= total <= L * high).
+    """
+    w = weights.double().clamp(min=1e-300)
+    lo_c, hi_c = 0.0, float(total) / float(w.min()) + 1.0
+    for _ in range(200):
+        c = (lo_c + hi_c) / 2
+        if float((c * w).clamp(low, high).sum()) < total:
+            lo_c = c
+        else:
+            hi_c = c
+    share = (hi_c * w).clamp(low, high)
+    parts = share.floor().long()
+    missing = max(0, min(total - int(parts.sum()), len(parts)))
+    parts[torch.argsort(share - share.floor(), descending=True, stable=True)[:missing]] += 1
+    return parts

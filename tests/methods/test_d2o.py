@@ -1,0 +1,141 @@
+"""D2O: EMA threshold over three steps, GAT-style and code-mean merges, layer budgets, properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.errors import ConfigError
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.d2o import D2O, THRESHOLD, allocate
+
+E = math.e
+
+
+def row(keys: list[tuple[float, float]], values: list[float]) -> LayerKV:
+    """One row, D = 2 (LayerKV needs equal key and value widths): value v is stored as (v, 0)."""
+    v = torch.tensor(values).view(1, 1, -1, 1)
+    return LayerKV.from_dense(torch.tensor(keys).view(1, 1, -1, 2), torch.cat([v, torch.zeros_like(v)], -1))
+
+
+def decode_step(d2o: D2O, kv: LayerKV, key, value: float, position: int, step: list[float]) -> LayerKV:
+    kv.append(torch.tensor(key).view(1, 1, 1, 2), torch.tensor([value, 0.0]).view(1, 1, 1, 2),
+              torch.tensor([[position]]))
+    d2o.observe(0, kv, AttentionStats(step_attention=torch.tensor(step).view(1, 1, -1)))
+    return d2o.compress(0, kv, AttentionStats(), torch.tensor([2]), "decode")
+
+
+def test_ema_threshold_and_weighted_merge_over_three_steps():
+    # budget 2 = 1 heavy + 1 recent (N:M = 1:1), no sinks.
+    d2o = D2O(n_heavy=1, n_recent=1, n_sinks=0, beta=0.7)
+    kv = row([(1, 0), (0.6, 0.8), (0.96, 0.28), (0, 1)], [1.0, 2.0, 3.0, 4.0])
+    stats = AttentionStats(column_sums=torch.tensor([5.0, 0.0, 0.0, 1.0]).view(1, 1, 4), num_queries=torch.tensor([4]))
+    kv = d2o.compress(0, kv, stats, torch.tensor([2]), "prefill")
+    # Step 1 (prompt): kept slots 0 (heavy) and 3 (recent); u = 0.8 (slot 1 -> slot 3), 0.96 (slot 2 -> slot 0).
+    # tau_1 = mean = 0.88: slot 2 merges into slot 0, slot 1 is discarded.
+    z = E + math.exp(0.96)
+    k0 = ((E * 1 + math.exp(0.96) * 0.96) / z, (math.exp(0.96) * 0.28) / z)
+    assert kv.positions[0, 0].tolist() == [0, 3]
+    assert kv.state[THRESHOLD][0, 0, 0].item() == pytest.approx(0.88)
+    assert kv.keys[0, 0, 0].tolist() == pytest.approx(k0, abs=1e-6)
+    assert kv.values[0, 0, :, 0].tolist() == pytest.approx([(E * 1 + math.exp(0.96) * 3) / z, 4.0], abs=1e-6)
+    # Step 2: new slot 4 key (0, 1); slot 3 is evicted (score 1 < 5), u = cos((0,1),(0,1)) = 1.
+    # tau_2 = 0.7 * 1 + 0.3 * 0.88 = 0.964 <= 1: merged, e^1 / (e^1 + e^1) = 1/2 each.
+    kv = decode_step(d2o, kv, (0, 1), 6.0, 4, [0.0, 0.0, 0.5])
+    assert kv.positions[0, 0].tolist() == [0, 4]
+    assert kv.state[THRESHOLD][0, 0, 0].item() == pytest.approx(0.964)
+    assert kv.values[0, 0, :, 0].tolist() == pytest.approx([(E * 1 + math.exp(0.96) * 3) / z, 5.0], abs=1e-6)
+    # Step 3: new slot 5 key (0.6, 0.8); slot 4 is evicted, its best match is slot 5 (0.8 > cos to merged k0 ~ 0.139).
+    # tau_3 = 0.7 * 0.8 + 0.3 * 0.964 = 0.8492 > 0.8: discarded.
+    kv = decode_step(d2o, kv, (0.6, 0.8), 7.0, 5, [0.0, 0.0, 0.5])
+    assert kv.positions[0, 0].tolist() == [0, 5]
+    assert kv.state[THRESHOLD][0, 0, 0].item() == pytest.approx(0.8492)
+    assert kv.values[0, 0, 1, 0].item() == 7.0 and kv.keys[0, 0, 1].tolist() == pytest.approx([0.6, 0.8])
+
+
+def test_code_mean_merge_rule():
+    d2o = D2O(n_heavy=1, n_recent=1, n_sinks=0, merge_rule="code_mean")
+    kv = row([(1, 0), (0.96, 0.28), (0, 1)], [1.0, 3.0, 4.0])
+    stats = AttentionStats(column_sums=torch.tensor([5.0, 0.0, 1.0]).view(1, 1, 3), num_queries=torch.tensor([3]))
+    out = d2o.compress(0, kv, stats, torch.tensor([2]), "prefill")
+    # single evicted slot: tau = u = 0.96, merged: (k_c + u k_e) / 2
+    assert out.keys[0, 0, 0].tolist() == pytest.approx([(1 + 0.96 * 0.96) / 2, 0.96 * 0.28 / 2], abs=1e-6)
+    assert out.values[0, 0, 0, 0].item() == pytest.approx((1 + 0.96 * 3) / 2)
+
+
+def test_layer_threshold_scope_shares_one_threshold():
+    d2o = D2O(n_heavy=1, n_recent=1, n_sinks=0, threshold_scope="layer")
+    keys = torch.tensor([[(1, 0), (0.6, 0.8), (0, 1)], [(1, 0), (1, 0), (0, 1)]]).view(1, 2, 3, 2)
+    kv = LayerKV.from_dense(keys, torch.ones(1, 2, 3, 2))
+    stats = AttentionStats(column_sums=torch.tensor([5.0, 0.0, 1.0]).expand(1, 2, 3), num_queries=torch.tensor([3]))
+    out = d2o.compress(0, kv, stats, torch.tensor([2]), "prefill")
+    # head 0: u = 0.8; head 1: u = 1 -> shared tau = 0.9: head 0 drops its token, head 1 merges.
+    assert out.state[THRESHOLD][0, :, 0].tolist() == pytest.approx([0.9, 0.9])
+    assert out.keys[0, 0, 0].tolist() == [1.0, 0.0]
+
+
+def column_sums_with_variances(variances: list[float], T: int = 40) -> torch.Tensor:
+    """(1, H, T) rows 1 -+ s alternating: population variance s^2."""
+    signs = torch.tensor([-1.0, 1.0]).repeat(T // 2)
+    return torch.stack([1 + math.sqrt(v) * signs for v in variances]).unsqueeze(0)
+
+
+def test_inverse_variance_softmax_budgets():
+    stats = [AttentionStats(column_sums=column_sums_with_variances(v), num_queries=torch.tensor([40]))
+             for v in ([0.0, 1.0, 3.0], [0.0, 2.0, 2.0])]
+    # min-max over heads: D_0 = (0 + 1/3 + 1) / 3 = 4/9, D_1 = (0 + 1 + 1) / 3 = 2/3.
+    lam0 = 1 / (1 + math.exp(-(2 / 3 - 4 / 9)))  # softmax(-D)_0 = 0.5553
+    budgets = D2O().layer_budgets(torch.tensor([10]), 2, stats)
+    assert lam0 * 20 == pytest.approx(11.107, abs=1e-3)
+    assert budgets[:, 0].tolist() == [11, 9]
+    uniform = D2O(allocation="uniform").layer_budgets(torch.tensor([10]), 2, stats)
+    assert uniform[:, 0].tolist() == [10, 10]
+    # reciprocal: mean variance 4/3 and 4/3 -> equal
+    assert D2O(allocation="reciprocal_variance").layer_budgets(torch.tensor([10]), 2, stats)[:, 0].tolist() == [10, 10]
+
+
+def test_protected_layers_count_inside_the_total():
+    stats = [AttentionStats(column_sums=column_sums_with_variances([0.0, 1.0]), num_queries=torch.tensor([40]))] * 3
+    budgets = D2O(allocation="uniform", protect_layers=[0]).layer_budgets(torch.tensor([20]), 3, stats)
+    assert budgets[:, 0].tolist() == [40, 10, 10]
+    with pytest.raises(ConfigError, match="protect_layers"):
+        D2O(protect_layers=[0]).layer_budgets(torch.tensor([10]), 3, stats)
+    with pytest.raises(ConfigError, match=r"\[5\]"):
+        D2O(protect_layers=[5]).layer_budgets(torch.tensor([20]), 3, stats)
+
+
+def test_allocate_clamps_and_keeps_the_total():
+    assert allocate(torch.tensor([1.0, 100.0]), 20, 2, 15).tolist() == [5, 15]
+    assert allocate(torch.tensor([1.0, 1.0, 1.0]), 10, 1, 40).tolist() == [4, 3, 3]
+    assert allocate(torch.tensor([1e-9, 1.0]), 20, 3, 40).tolist() == [3, 17]
+
+
+def test_bad_config_names_the_value():
+    with pytest.raises(ConfigError, match="allocation 'pyramid'"):
+        D2O(allocation="pyramid")
+    with pytest.raises(ConfigError, match="beta=1.5"):
+        D2O(beta=1.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 24), st.integers(1, 24),
+       st.sampled_from(["weighted", "code_mean"]), st.sampled_from(["head", "layer"]), st.integers(0, 10_000))
+def test_properties(B, H, T, keep, rule, scope, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, T, 4, generator=g)
+    stats = AttentionStats(column_sums=torch.rand(B, H, T, generator=g), num_queries=torch.full((B,), T))
+    d2o = D2O(merge_rule=rule, threshold_scope=scope)
+    const = torch.full((B, H, T, 4), 3.0)
+    out = d2o.compress(0, LayerKV.from_dense(keys, const), stats, torch.full((B,), keep), "prefill")
+    again = d2o.compress(0, LayerKV.from_dense(keys, const), stats, torch.full((B,), keep), "prefill")
+    assert (out.lengths == min(keep, T)).all()
+    assert out.keys.shape[2] == out.values.shape[2] == out.positions.shape[2] == int(out.lengths.max())
+    assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
+    assert torch.equal(out.keys, again.keys) and torch.equal(out.values, again.values)
+    if rule == "weighted":  # convex weights: a constant value stays constant
+        real = out.valid()
+        assert torch.allclose(out.values[real], torch.tensor(3.0))

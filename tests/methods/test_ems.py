@@ -1,0 +1,275 @@
+"""EMS (kvbench/methods/ems.py): Global-Local score, evict-then-merge partition, zero class, weighted merge,
+RoPE handling of merged keys, decode-time state and budget, and the engine end to end on the tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.budget import Budget
+from kvbench.engine import Engine
+from kvbench.errors import ConfigError
+from kvbench.kernels.redundancy import redundancy, rotate_like
+from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods.ems import EMS, global_local_score
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Independent rotate_half RoPE for the tests: x (..., T, D), positions (..., T)."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions.double().unsqueeze(-1) * inv_freq  # (..., T, half)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.double()[..., :half], x.double()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+def one_row(keys, values, scores, raw_keys=None, positions=None):
+    """A (1, 1, T) LayerKV and prefill stats where global == local scores (so Global-Local = the score)."""
+    k = torch.tensor(keys, dtype=torch.float32).view(1, 1, len(keys), -1)
+    v = torch.tensor(values, dtype=torch.float32).view(1, 1, len(values), -1)
+    s = torch.tensor(scores, dtype=torch.float32).view(1, 1, -1)
+    pos = None if positions is None else torch.tensor(positions).view(1, 1, -1)
+    kv = LayerKV.from_dense(k, v, pos)
+    raw = k if raw_keys is None else torch.tensor(raw_keys, dtype=torch.float32).view(1, 1, len(keys), -1)
+    return kv, AttentionStats(column_sums=s, window_column_sums=s, raw_keys=raw)
+
+
+# Slots 0..4, local window = slot 4; one centre (N_budget 2 - L_win 1); gamma 2 -> N_tbm = 2.
+# Ranking of slots 0-3 by score: 1 (centre), 2 and 3 (TBM), 0 (Irr, evicted first).
+KEYS = [[9.0, 9.0], [2.0, 0.0], [3.0, 3.0], [0.0, 1.0], [1.0, 1.0]]
+VALUES = [[5.0, 5.0], [1.0, 0.0], [2.0, 0.5], [0.0, 1.0], [7.0, 7.0]]
+SCORES = [0.1, 3.0, 1.0, 0.2, 0.7]
+# R(slot 2, centre 1) = cos(k) * cos(v) = (1/sqrt 2) * (2/sqrt 4.25) = 0.686; R(slot 3, centre 1) = 0.
+
+
+def test_global_local_score_literal():
+    s_glo = torch.tensor([[[4.0, 2.0, 1.0, 1.0]]])  # mean 2
+    s_loc = torch.tensor([[[0.5, 0.25, 1.0, 0.25]]])  # mean 0.5 -> alignment factor 0.25
+    valid = torch.ones(1, 1, 4, dtype=torch.bool)
+    # aligned global = [1, 0.5, 0.25, 0.25]; element-wise max with s_loc
+    expected = torch.tensor([[[1.0, 0.5, 1.0, 0.25]]])
+    assert torch.allclose(global_local_score(s_glo, s_loc, valid), expected)
+    # padding slots neither count in the means nor get a score
+    pad = torch.tensor([[[True, True, True, True, False]]])
+    got = global_local_score(torch.cat([s_glo, torch.tensor([[[8.0]]])], -1),
+                             torch.cat([s_loc, torch.tensor([[[8.0]]])], -1), pad)
+    assert torch.allclose(got, torch.cat([expected, torch.zeros(1, 1, 1)], -1))
+
+
+def test_weighted_merge_when_redundancy_reaches_tau():
+    kv, stats = one_row(KEYS, VALUES, SCORES)
+    out = EMS(window=1, kernel_size=1, tau=0.6, gamma=2).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    assert out.lengths.tolist() == [[2]] and out.positions[0, 0].tolist() == [1, 4]
+    # weights by score: centre 3/(3+1) = 0.75, TBM slot 2: 0.25; values merged as they are
+    assert torch.allclose(out.values[0, 0], torch.tensor([[0.75 * 1 + 0.25 * 2, 0.25 * 0.5], [7.0, 7.0]]))
+    # keys: unit directions merged and renormalised, times the weighted mean norm 0.75*2 + 0.25*3*sqrt(2)
+    direction = torch.tensor([0.75 + 0.25 / math.sqrt(2), 0.25 / math.sqrt(2)])
+    norm = 0.75 * 2 + 0.25 * 3 * math.sqrt(2)
+    assert torch.allclose(out.keys[0, 0, 0], norm * direction / direction.norm(), atol=1e-6)
+    assert torch.allclose(out.keys[0, 0, 0], torch.tensor([2.51531, 0.47979]), atol=1e-4)
+    assert torch.equal(out.keys[0, 0, 1], torch.tensor([1.0, 1.0]))
+    # the centre remembers the merged member's weight
+    assert torch.allclose(out.state["merged_mass"][0, 0], torch.tensor([1.0, 0.0]))
+
+
+def test_zero_class_evicts_tbm_token_below_tau():
+    kv, stats = one_row(KEYS, VALUES, SCORES)
+    out = EMS(window=1, kernel_size=1, tau=0.7, gamma=2).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    assert out.positions[0, 0].tolist() == [1, 4]
+    assert torch.equal(out.keys[0, 0], torch.tensor([[2.0, 0.0], [1.0, 1.0]]))
+    assert torch.equal(out.values[0, 0], torch.tensor([[1.0, 0.0], [7.0, 7.0]]))
+    assert out.state["merged_mass"].abs().sum() == 0
+
+
+def test_gamma_one_is_eviction_only():
+    kv, stats = one_row(KEYS, VALUES, SCORES)
+    out = EMS(window=1, kernel_size=1, tau=0.0, gamma=1).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    assert torch.equal(out.keys[0, 0], torch.tensor([[2.0, 0.0], [1.0, 1.0]]))
+    assert torch.equal(out.values[0, 0], torch.tensor([[1.0, 0.0], [7.0, 7.0]]))
+
+
+def test_mean_pooling_picks_the_dense_region():
+    # unpooled, slot 2 (0.9) wins; mean pooling over 3 gives slot 2 0.3 and slot 5 (0.5 + 0.5 + 0.5) / 3 = 0.5
+    scores = [0.0, 0.0, 0.9, 0.0, 0.5, 0.5, 0.5, 0.0]
+    keys = [[1.0, float(i)] for i in range(8)]
+    kv, stats = one_row(keys, keys, scores)
+    pooled = EMS(window=1, kernel_size=3, gamma=1).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    plain = EMS(window=1, kernel_size=1, gamma=1).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    assert pooled.positions[0, 0].tolist() == [5, 7]
+    assert plain.positions[0, 0].tolist() == [2, 7]
+
+
+def test_redundancy_variants_and_clamp():
+    k_a, v_a = torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([[[[0.0, 1.0]]]])
+    k_b, v_b = torch.tensor([[[[1.0, 1.0], [-1.0, 0.0]]]]), torch.tensor([[[[0.0, 2.0], [0.0, -1.0]]]])
+    c = 1 / math.sqrt(2)
+    assert torch.allclose(redundancy(k_a, v_a, k_b, v_b, "key_value"), torch.tensor([[[[c, 0.0]]]]))
+    assert torch.allclose(redundancy(k_a, v_a, k_b, v_b, "key"), torch.tensor([[[[c, 0.0]]]]))
+    assert torch.allclose(redundancy(k_a, v_a, k_b, v_b, "value"), torch.tensor([[[[1.0, 0.0]]]]))
+
+
+def test_rotate_like_recovers_rope():
+    g = torch.Generator().manual_seed(0)
+    raw, x = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    pos = torch.tensor([0, 1, 7, 100, 3000])
+    assert torch.allclose(rotate_like(x, raw, rope(raw, pos)), rope(x, pos), atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", ["without", "with"])
+def test_merged_key_is_rope_of_shared_direction(positions):
+    raw = torch.tensor([[9.0, 9, 9, 9], [2, 1, 0, 0], [2, 1, 1, 1], [0, 0, 1, -1], [1, 1, 1, 1]])
+    pos = torch.arange(5)
+    post = rope(raw, pos)
+    values = [v + [0.0, 0.0] for v in VALUES]  # same cosines as in 2-D
+    kv, stats = one_row(post.tolist(), values, SCORES, raw_keys=raw.tolist())
+    out = EMS(window=1, kernel_size=1, tau=0.6, gamma=2, positions=positions).compress(
+        0, kv, stats, torch.tensor([2]), "prefill")
+    norms = raw.norm(dim=-1)
+    shared = 0.75 * raw[1] / norms[1] + 0.25 * raw[2] / norms[2]
+    shared = shared / shared.norm()
+    if positions == "without":  # both members at the centre's position 1
+        expected = (0.75 * norms[1] + 0.25 * norms[2]) * rope(shared.view(1, 4), torch.tensor([1]))[0]
+    else:  # each member at its own position: the mean of the expanded keys
+        expected = 0.75 * norms[1] * rope(shared.view(1, 4), torch.tensor([1]))[0] \
+            + 0.25 * norms[2] * rope(shared.view(1, 4), torch.tensor([2]))[0]
+    assert torch.allclose(out.keys[0, 0, 0], expected, atol=1e-5)
+    assert torch.equal(out.keys[0, 0, 1], post[4])
+
+
+def test_observe_rolls_local_window():
+    kv = LayerKV.from_dense(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    scores = torch.tensor([[[1.0, 2.0, 3.0]]])
+    method = EMS(window=2, kernel_size=1)
+    stats = AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys)
+    kv = method.compress(0, kv, stats, torch.tensor([3]), "prefill")
+    steps = [torch.tensor([[[0.5, 0.25, 0.25]]]), torch.tensor([[[0.1, 0.2, 0.7]]]),
+             torch.tensor([[[0.0, 1.0, 0.0]]])]
+    for step in steps:
+        method.observe(0, kv, AttentionStats(step_attention=step))
+    assert torch.allclose(kv.state["s_glo"], torch.tensor([[[1.6, 3.45, 3.95]]]))
+    # after 2 queries past <- cur = step1 + step2; the third query starts a new cur
+    assert torch.allclose(kv.state["s_loc_past"], torch.tensor([[[0.6, 0.45, 0.95]]]))
+    assert torch.allclose(kv.state["s_loc_cur"], torch.tensor([[[0.0, 1.0, 0.0]]]))
+    assert kv.state["s_loc_cur_queries"].tolist() == [[[1.0, 1.0, 1.0]]]
+
+
+def test_decode_merges_lowest_centre_into_most_redundant():
+    # After a decode append: centres 0, 1; slot 2 just left the window (window 1); slot 3 is the new token.
+    keys = [[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [5.0, 5.0]]
+    values = [[1.0, 0.0], [0.0, 1.0], [3.0, 0.0], [5.0, 5.0]]
+    kv = LayerKV.from_dense(torch.tensor(keys).view(1, 1, 4, 2), torch.tensor(values).view(1, 1, 4, 2))
+    zeros = torch.zeros(1, 1, 4)
+    s_glo = torch.tensor([[[4.0, 3.0, 1.0, 0.0]]])
+    kv.state = {"s_glo": s_glo, "s_loc_past": s_glo.clone(),
+                "s_loc_cur": zeros.clone(), "s_loc_cur_queries": zeros.clone(),
+                "merged_mass": torch.tensor([[[2.0, 0.0, 0.0, 0.0]]])}
+    stats = AttentionStats(raw_keys=kv.keys)
+    out = EMS(window=1, kernel_size=1, tau=0.6).compress(0, kv, stats, torch.tensor([3]), "decode")
+    # s_Loc = s_Glo, so Global-Local = s_glo; slot 2 (score 1) is the TBM token, most redundant with slot 0
+    assert out.positions[0, 0].tolist() == [0, 1, 3] and out.lengths.tolist() == [[3]]
+    # weights: slot 0 = score 4 + mass 2 = 6, slot 2 = 1 -> 6/7, 1/7
+    assert torch.allclose(out.values[0, 0, 0], torch.tensor([6 / 7 + 3 / 7, 0.0]))
+    assert torch.allclose(out.state["merged_mass"][0, 0], torch.tensor([3.0, 0.0, 0.0]))
+
+
+def test_bad_config_names_value():
+    with pytest.raises(ConfigError, match="similarity 'cos'"):
+        EMS(similarity="cos")
+    with pytest.raises(ConfigError, match="positions 'maybe'"):
+        EMS(positions="maybe")
+    with pytest.raises(ConfigError, match="gamma=0.5"):
+        EMS(gamma=0.5)
+    with pytest.raises(ConfigError, match="kernel_size=4"):
+        EMS(kernel_size=4)
+    with pytest.raises(ConfigError, match="tau=1.5"):
+        EMS(tau=1.5)
+
+
+# -- properties on random ragged caches ---------------------------------------------------------------
+
+def random_case(seed: int, B: int, H: int, T: int, D: int):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B, H), generator=g)
+    raw = torch.randn(B, H, T, D, generator=g)
+    values = torch.randn(B, H, T, D, generator=g)
+    positions = torch.arange(T).expand(B, H, T).clone()
+    kv = LayerKV(keys=rope(raw, positions), values=values, positions=positions, lengths=lengths)
+    kv.zero_padding()
+    col = torch.rand(B, H, T, generator=g) * kv.valid()
+    win = torch.rand(B, H, T, generator=g) * kv.valid()
+    return kv, AttentionStats(column_sums=col, window_column_sums=win, raw_keys=raw * kv.valid().unsqueeze(-1)), g
+
+
+def check_cache(out: LayerKV, kv: LayerKV, n_keep: torch.Tensor) -> None:
+    expected = torch.minimum(n_keep.view(-1, 1), kv.lengths)
+    assert torch.equal(out.lengths, expected)
+    K = out.capacity
+    assert out.keys.shape[2] == out.values.shape[2] == out.positions.shape[2] == K == int(expected.max())
+    assert all(s.shape == out.positions.shape for s in out.state.values())
+    real = out.valid()
+    assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
+    # every merge is convex: each value coordinate stays inside its row's input range
+    lo = kv.values.masked_fill(~kv.valid().unsqueeze(-1), math.inf).amin(2, keepdim=True)
+    hi = kv.values.masked_fill(~kv.valid().unsqueeze(-1), -math.inf).amax(2, keepdim=True)
+    inside = (out.values >= lo - 1e-5) & (out.values <= hi + 1e-5)
+    assert inside[real].all()
+    # kept positions are distinct and increasing within each row
+    diffs = out.positions[..., 1:] - out.positions[..., :-1]
+    assert (diffs[real[..., 1:]] > 0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), B=st.integers(1, 2), H=st.integers(1, 3), T=st.integers(1, 40),
+       budget=st.integers(1, 20), window=st.integers(1, 6), gamma=st.sampled_from([1, 2, 4, math.inf]),
+       tau=st.sampled_from([0.0, 0.3, 0.6, 1.0]), similarity=st.sampled_from(["key_value", "key", "value"]),
+       positions=st.sampled_from(["with", "without"]))
+def test_prefill_then_decode_properties(seed, B, H, T, budget, window, gamma, tau, similarity, positions):
+    kv, stats, g = random_case(seed, B, H, T, 4)
+    method = EMS(window=window, kernel_size=3, tau=tau, gamma=gamma, similarity=similarity, positions=positions)
+    n_keep = torch.full((B,), budget)
+    out = method.compress(0, kv, stats, n_keep, "prefill")
+    again = method.compress(0, kv, stats, n_keep, "prefill")
+    check_cache(out, kv, n_keep)
+    assert torch.equal(out.keys, again.keys) and torch.equal(out.values, again.values)
+    if positions == "without":  # a merged key's norm is a weighted mean of its members' norms
+        row_min = kv.keys.norm(dim=-1).masked_fill(~kv.valid(), math.inf).amin(-1, keepdim=True)  # (B, H, 1)
+        assert (out.keys.norm(dim=-1) >= row_min - 1e-4)[out.valid()].all()
+    for step in range(3):  # decode: append one token, observe its attention, compress back to n_keep
+        before = out.lengths.clone()
+        pos = out.positions.amax(-1).amax(-1) + 1  # (B,)
+        raw_new = torch.randn(B, H, 1, 4, generator=g)
+        out.append(rope(raw_new, pos.view(B, 1, 1).expand(B, H, 1)), torch.randn(B, H, 1, 4, generator=g),
+                   pos.view(B, 1))
+        attn = torch.rand(B, H, out.capacity, generator=g) * out.valid()  # aligned with storage, as the engine
+        method.observe(0, out, AttentionStats(step_attention=attn / attn.sum(-1, keepdim=True).clamp(min=1e-9)))
+        raw = rope(out.keys, -out.positions)  # undo the rotation, as the engine does
+        full = out
+        out = method.compress(0, out, AttentionStats(step_attention=attn, raw_keys=raw), n_keep, "decode")
+        assert torch.equal(out.lengths, torch.minimum(n_keep.view(-1, 1), before + 1))
+        assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
+        assert all(torch.isfinite(s).all() for s in out.state.values())
+        # the newest token is in the local window: always kept, unchanged
+        newest = out.positions.amax(-1) == full.positions.amax(-1)
+        assert newest.all()
+
+
+# -- end to end on the tiny model --------------------------------------------------------------------
+
+@pytest.mark.parametrize("positions", ["without", "with"])
+def test_engine_keeps_rows_at_budget_while_decoding(tiny_model, positions):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, tiny_model.config.vocab_size, (n,), generator=g).tolist() for n in (90, 57)]
+    engine = Engine(tiny_model, EMS(window=8, positions=positions), Budget("tokens", 24))
+    session = engine.prefill(prompts, max_new_tokens=12)
+    assert (session.cache.lengths() == 24).all()
+    for _ in range(12):
+        logits = session.feed(session.logits.argmax(-1).view(-1, 1))
+        assert torch.isfinite(logits).all()
+        assert (session.cache.lengths() == 24).all()
+    kv = session.cache.kv(0)
+    assert (kv.positions.amax(-1) == torch.tensor([90 + 11, 57 + 11]).view(2, 1)).all()

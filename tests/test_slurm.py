@@ -1,0 +1,99 @@
+"""Sweeps through a real single-node SLURM cluster (slurmctld + slurmd + munged started by the test).
+
+Needs root and Debian's slurm-wlm + munge (``scripts/slurm_cluster.sh install``; CI installs them);
+skipped otherwise. Checks that every sweep point lands in the shared results root, and that a job killed
+mid-run is redone on resubmission while finished points are not touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from kvbench import store
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("slurmctld") is None or shutil.which("munged") is None or os.geteuid() != 0,
+    reason="needs root and slurm-wlm + munge (scripts/slurm_cluster.sh install)",
+)
+SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory):
+    cluster = tmp_path_factory.mktemp("slurm")
+    subprocess.run([str(SCRIPT), "start", str(cluster)], check=True, timeout=120)
+    env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf"), "PYTHONUNBUFFERED": "1"}
+    yield env
+    subprocess.run([str(SCRIPT), "stop", str(cluster)], timeout=60)
+
+
+def sweep_command(root, *points):
+    return [
+        sys.executable, "-m", "kvbench", "-m", "hydra/launcher=slurm", "hydra.launcher.partition=debug",
+        "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2",
+        "hydra.launcher.timeout_min=10", "model=tiny-llama-random", "task=passkey", f"results_root={root}",
+        *points,
+    ]
+
+
+def test_sweep_through_slurm_lands_every_point(slurm_env, tmp_path):
+    proc = subprocess.run(
+        sweep_command(tmp_path, "method=full,streamingllm", "budget=0.2,0.5", "task.context_lengths=[128]",
+                      "task.depths=[0]"),
+        env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = store.finished_runs(tmp_path)
+    assert len(runs) == 4
+    states = store.run_states(tmp_path)
+    assert {s["state"] for s in states} == {"done"}
+    assert all(s.get("slurm_job_id") for s in states), "each point ran as a SLURM job"
+    metrics = pd.read_parquet(tmp_path / "metrics.parquet")
+    assert set(zip(metrics["method"], metrics["budget"])) == {
+        ("full", "0.2"), ("full", "0.5"), ("streamingllm", "0.2"), ("streamingllm", "0.5")}
+
+
+def _wait_for_running(root, timeout=300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = [s for s in store.run_states(root) if s["state"] == "running" and s.get("slurm_job_id")]
+        if running:
+            return running[0]
+        time.sleep(0.5)
+    raise AssertionError("no point started running under SLURM")
+
+
+def test_killed_job_is_redone_on_resubmission_and_finished_points_are_not(slurm_env, tmp_path):
+    quick = ["method=full", "budget=0.2,0.5", "task.context_lengths=[128]", "task.depths=[0]"]
+    assert subprocess.run(sweep_command(tmp_path, *quick), env=slurm_env, cwd=REPO, capture_output=True,
+                          timeout=600).returncode == 0
+    finished = {p.name: (p / "meta.json").stat().st_mtime_ns for p in store.finished_runs(tmp_path)}
+    assert len(finished) == 2
+
+    slow = ["method=streamingllm", "budget=0.2", "task.context_lengths=[1024,2048]",
+            "task.depths=[0,25,50,75,100]"]
+    launcher = subprocess.Popen(sweep_command(tmp_path, *slow), env=slurm_env, cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = _wait_for_running(tmp_path)
+    time.sleep(2)
+    subprocess.run(["scancel", str(victim["slurm_job_id"])], env=slurm_env, check=True)
+    launcher.wait(timeout=300)
+    assert launcher.returncode != 0
+    assert not store.is_finished(tmp_path, victim["run_id"])
+    assert not list((tmp_path / "runs").glob(".*")), "no half-written run directory"
+
+    again = subprocess.run(sweep_command(tmp_path, *slow), env=slurm_env, cwd=REPO, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert store.is_finished(tmp_path, victim["run_id"])
+    for name, mtime in finished.items():
+        assert (tmp_path / "runs" / name / "meta.json").stat().st_mtime_ns == mtime, "finished point redone"
+    assert len(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"].unique()) == 3
