@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvbench.kernels.similarity import unit_keys
+
 SIMILARITIES = ("key_value", "key", "value")
 
 
 def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
     """(B, H, M, D) x (B, H, N, D) -> (B, H, M, N) cosine similarities in float32 (zero vectors -> 0)."""
-    a = torch.nn.functional.normalize(a.float(), dim=-1)
-    b = torch.nn.functional.normalize(b.float(), dim=-1)
-    return a @ b.transpose(-1, -2)
+    return unit_keys(a) @ unit_keys(b).transpose(-1, -2)
 
 
 def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tensor, similarity: str) -> Tensor:

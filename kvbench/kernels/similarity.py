@@ -1,6 +1,8 @@
-"""Key-similarity operations on left-aligned ragged rows: adjacent cosines and runs of similar neighbours.
+"""Key-similarity operations on left-aligned ragged rows: adjacent cosines, runs of similar neighbours, and
+each source slot's most similar target slot.
 
-Used by KVMerger (merging sets = runs of consecutive similar keys). No (T x T) similarity matrix is ever
+Used by KVMerger (merging sets = runs of consecutive similar keys) and D2O (nearest kept slot of every
+evicted slot: only the |E| x |C| block, in chunks). No (T x T) similarity matrix is ever
 built: the chain rule needs the T-1 adjacent cosines, the anchor rule one cosine per slot. Torch references
 in float32; Triton twins of the same signatures may sit beside them.
 """
@@ -67,3 +69,43 @@ def anchor_runs(keys: Tensor, mergeable: Tensor, lengths: Tensor, epsilon: float
         joins[:, :, t] = join
         anchor = torch.where(join.unsqueeze(-1), anchor, unit[:, :, t])
     return run_ids(joins, lengths)
+
+
+def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, H, T) bool -> (index (B, H, N) of the True slots in order, count (B, H)); N = max count."""
+    count = mask.sum(-1)
+    n = int(count.max()) if count.numel() else 0
+    return (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :n], count
+
+
+def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """For every source slot, the target slot of the same row whose key has the highest cosine similarity.
+
+    keys: (B, H, T, D); sources, targets: (B, H, T) bool (e.g. evicted and kept slots).
+    Only the |sources| x |targets| block is computed, ``chunk`` source slots at a time: memory
+    O(B H chunk |targets|), time O(B H |sources| |targets| D).
+
+    Returns (similarity, match), both (B, H, T): float32 cos(k_s, k_match(s)) on source slots, -inf elsewhere
+    (also for sources of a row without targets); match = the target's slot index, -1 where similarity is
+    -inf. Ties go to the earliest target slot.
+    """
+    B, H, T, D = keys.shape
+    src, src_count = _compact(sources)
+    tgt, tgt_count = _compact(targets)
+    similarity = torch.full((B, H, T + 1), -float("inf"), device=keys.device)  # slot T: dump for padding
+    match = torch.full((B, H, T + 1), -1, dtype=torch.long, device=keys.device)
+    if src.shape[-1] == 0 or tgt.shape[-1] == 0:
+        return similarity[..., :T], match[..., :T]
+    tgt_keys = unit_keys(keys.gather(2, tgt.unsqueeze(-1).expand(-1, -1, -1, D)))  # (B, H, C, D)
+    tgt_real = torch.arange(tgt.shape[-1], device=keys.device).view(1, 1, 1, -1) < tgt_count.view(B, H, 1, 1)
+    for start in range(0, src.shape[-1], chunk):
+        rows = src[..., start:start + chunk]  # (B, H, e) slot indices
+        src_keys = unit_keys(keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, D)))
+        sim = (src_keys @ tgt_keys.transpose(-1, -2)).masked_fill(~tgt_real, -float("inf"))  # (B, H, e, C)
+        best, arg = sim.max(-1)
+        rank = torch.arange(start, start + rows.shape[-1], device=keys.device).view(1, 1, -1)
+        real = (rank < src_count.unsqueeze(-1)) & torch.isfinite(best)
+        write_at = torch.where(real, rows, torch.full_like(rows, T))
+        similarity.scatter_(2, write_at, torch.where(real, best, -float("inf")))
+        match.scatter_(2, write_at, torch.where(real, tgt.gather(2, arg), -1))
+    return similarity[..., :T], match[..., :T]

@@ -177,15 +177,12 @@ def ragged_attention(
     """Triton ``attention_stats.ragged_attention``: forward with lse, then the statistics from the lse."""
     out, lse = attention_lse(query, keys, values, key_valid, key_pos, query_pos, scaling)
     stats: dict[str, Tensor] = {}
-    if want_column_sums or window > 0:
+    if want_column_sums or want_step or window > 0:
         col, win = column_sums_from_lse(query, keys, lse, key_valid, key_pos, query_pos, scaling, window)
         if want_column_sums:
             stats["column_sums"] = col
+        if want_step:  # the pass's queries: the new token's attention at a decode step
+            stats["step_attention"] = col
         if win is not None:
             stats["window_column_sums"] = win
-    if want_step:  # the newest query's attention = column sums of a one-query pass
-        step, _ = column_sums_from_lse(
-            query[:, :, -1:], keys, lse[:, :, -1:], key_valid, key_pos, query_pos[:, -1:], scaling
-        )
-        stats["step_attention"] = step
     return out, stats

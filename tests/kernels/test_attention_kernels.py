@@ -1,0 +1,99 @@
+"""Triton attention kernels (forward with lse, EMS column sums, ragged_attention) against the torch references.
+
+Shapes cover length 1, lengths that are not multiples of the 64-slot tiles, GQA, decode (one query) and
+prefill (as many queries as keys), ragged rows (an empty one included), left-padded queries and large logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.kernels import column_sums, triton_attention
+from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.dispatch import use_backend
+
+# (B, H_q, H_kv, Q, T, D)
+SHAPES = {
+    "length1": (1, 1, 1, 1, 1, 16),
+    "gqa_decode": (2, 8, 2, 1, 77, 64),
+    "gqa_chunk": (2, 4, 2, 21, 77, 24),
+    "prefill": (1, 2, 1, 70, 70, 8),
+}
+
+
+def ragged_case(shape, dtype, logit_scale=1.0, seed=0):
+    """Random inputs; batch row 1 has ragged per-head lengths (one head empty) and left-padded queries."""
+    B, Hq, Hkv, Q, T, D = shape
+    g = torch.Generator().manual_seed(seed)
+    query = (torch.randn(B, Hq, Q, D, generator=g) * logit_scale).to(dtype)
+    keys = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    values = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
+    lengths = torch.full((B, Hkv), T)
+    query_pos = torch.arange(T - Q, T).repeat(B, 1)
+    if B > 1:
+        lengths[1] = torch.linspace(0, T, Hkv).long()
+        query_pos[1, : Q // 3] = -1
+    key_valid = torch.arange(T).view(1, 1, T) < lengths.unsqueeze(-1)
+    key_pos = torch.arange(T).repeat(B, Hkv, 1)
+    return query, keys, values, key_valid, key_pos, query_pos
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_attention_lse_matches_reference(shape, dtype, output_tolerance):
+    query, keys, values, key_valid, key_pos, query_pos = ragged_case(shape, dtype)
+    out_ref, lse_ref = column_sums.attention_lse(query, keys, values, key_valid, key_pos, query_pos, 0.3)
+    out, lse = triton_attention.attention_lse(query, keys, values, key_valid, key_pos, query_pos, 0.3)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), out_ref.float(), **output_tolerance)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # queries that see nothing: -inf in both
+    torch.testing.assert_close(lse.nan_to_num(0, 0, 0), lse_ref.nan_to_num(0, 0, 0), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_column_sums_match_reference_and_conserve_mass(shape, dtype):
+    query, keys, values, key_valid, key_pos, query_pos = ragged_case(shape, dtype)
+    _, lse = column_sums.attention_lse(query, keys, None, key_valid, key_pos, query_pos, 0.3)
+    args = (query, keys, lse, key_valid, key_pos, query_pos, 0.3)
+    col_ref, win_ref = column_sums.column_sums_from_lse(*args, window=5)
+    col, win = triton_attention.column_sums_from_lse(*args, window=5)
+    # float32 statistics whatever the input dtype: the error grows with the number of summed queries
+    torch.testing.assert_close(col, col_ref, atol=1e-6 * shape[3], rtol=1e-5)
+    torch.testing.assert_close(win, win_ref, atol=1e-6 * 5, rtol=1e-5)
+    # every real query that sees a slot spreads exactly one unit of attention over the slots
+    seeing = ((query_pos >= 0).unsqueeze(1) & key_valid.any(-1, keepdim=True)).sum(-1).float()  # (B, H_kv)
+    torch.testing.assert_close(col.sum(-1), seeing, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_ragged_attention_same_with_either_backend(shape):
+    """The composition (forward, column sums, step attention); other dtypes are covered kernel by kernel."""
+    query, keys, values, key_valid, key_pos, query_pos = ragged_case(shape, torch.float32, logit_scale=8.0)
+    args = (query, keys, values, key_valid, key_pos, query_pos, 0.5)
+    kwargs = dict(window=4, want_column_sums=True, want_step=True)
+    with use_backend("torch"):
+        out_ref, stats_ref = ragged_attention(*args, **kwargs)
+    with use_backend("triton"):
+        out, stats = ragged_attention(*args, **kwargs)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    assert stats.keys() == stats_ref.keys() == {"column_sums", "window_column_sums", "step_attention"}
+    for name, ref in stats_ref.items():
+        torch.testing.assert_close(stats[name], ref, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_column_sums_hand_computed(backend):
+    """Two identical keys seen causally by two queries: A = [[1, 0], [1/2, 1/2]] in both heads of the group."""
+    query = torch.ones(1, 2, 2, 16)
+    keys = torch.ones(1, 1, 2, 16)
+    key_pos, key_valid = torch.tensor([[[0, 1]]]), torch.ones(1, 1, 2, dtype=torch.bool)
+    query_pos = torch.tensor([[0, 1]])
+    with use_backend(backend):
+        out, lse = column_sums.attention_lse(query, keys, None, key_valid, key_pos, query_pos, 0.25)
+        col, win = column_sums.column_sums_from_lse(query, keys, lse, key_valid, key_pos, query_pos, 0.25, 1)
+    assert out is None
+    torch.testing.assert_close(lse, torch.tensor([4.0, 4.0 + math.log(2)]).expand(1, 2, 2))
+    torch.testing.assert_close(col, torch.tensor([[[1.5, 0.5]]]))
+    torch.testing.assert_close(win, torch.tensor([[[0.5, 0.5]]]))
