@@ -9,8 +9,9 @@ Paths, chosen per layer and pass:
 - the first pass over an empty cache (prefill) runs the wrapped implementation with transformers' own mask,
   so the full-cache method is numerically identical to plain ``generate``;
 - a pass over a cache whose rows are all full and aligned runs the wrapped implementation unmasked (decode);
-- anything ragged (compressed per-head lengths, batch rows of different lengths) runs ``ragged_attention``
-  with a per-head mask built from stored positions;
+- anything ragged (compressed per-head lengths, batch rows of different lengths), or a cache whose method
+  keeps a per-slot ``logit_bias`` state (log-degree of merged slots), runs ``ragged_attention`` with a
+  per-head mask built from stored positions and the bias added to the logits;
 - statistics the method declared are computed by ``ragged_attention`` without materialising n x n.
 """
 
@@ -26,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
-from kvbench.kv import AttentionStats
+from kvbench.kv import LOGIT_BIAS, AttentionStats
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 
@@ -63,7 +64,8 @@ def _make_attention(impl: str):
         aligned = bool((kv.lengths == t).all())
         no_padding = bool((query_pos >= 0).all())
         stats: dict = {}
-        if layer.fresh or (aligned and no_padding and query.shape[2] == 1 and not wanted):
+        bias = kv.state.get(LOGIT_BIAS)
+        if layer.fresh or (aligned and no_padding and query.shape[2] == 1 and not wanted and bias is None):
             mask = attention_mask if layer.fresh else None
             output, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
             if wanted - {"raw_keys"}:
@@ -77,6 +79,7 @@ def _make_attention(impl: str):
                 query, key, value, key_valid, key_pos, query_pos, scaling,
                 window=cache.window if "window_column_sums" in wanted else 0,
                 want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
+                key_bias=None if bias is None else bias[:, :, :t],
             )
             output = output.transpose(1, 2).contiguous()
         n_real = (query_pos >= 0).sum(-1)

@@ -177,4 +177,8 @@ class AttentionStats:
                               num_queries=self.num_queries)
 
 
+# A per-slot state a method may keep: added to the attention logit of the slot for every query (e.g. log of a
+# merged slot's multiplicity, so that one centroid weighs like the n tokens it stands for). New slots get 0.
+LOGIT_BIAS = "logit_bias"
+
 STAT_NAMES = frozenset({"column_sums", "window_column_sums", "step_attention", "raw_keys"})

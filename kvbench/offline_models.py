@@ -140,6 +140,7 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the converted model is an ordinary readable folder
         write(tmp)
         os.rename(tmp, target)
     except OSError:

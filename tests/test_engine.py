@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -191,3 +192,49 @@ def test_budget_rounding_and_bases():
 def test_unknown_position_mode_is_rejected(tiny_model):
     with pytest.raises(ConfigError, match="sideways.*original, cache_length"):
         Engine(tiny_model, Full(), Budget("fraction", 1.0), position_mode="sideways")
+
+
+@dataclass
+class DuplicateFirstHalf(Method):
+    """Test method: merges each pair of identical slots (2i, 2i+1) into one slot with logit bias log 2."""
+
+    name: ClassVar[str] = "pairs"
+    with_bias: bool = True
+
+    def compress(self, layer, kv, stats, n_keep, phase):
+        T = kv.max_length
+        index = torch.arange(0, T, 2).expand(*kv.lengths.shape, -1)
+        out = kv.gather(index, torch.full_like(kv.lengths, index.shape[-1]))
+        if self.with_bias:
+            out.state["logit_bias"] = torch.full(out.positions.shape, math.log(2.0))
+        return out
+
+
+def test_logit_bias_makes_a_merged_slot_weigh_like_its_members():
+    """Attention over pairs of identical keys equals attention over one key per pair plus log 2 on its logit."""
+    from kvbench.kernels.attention_stats import ragged_attention
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 3, 4, generator=g).repeat_interleave(2, dim=2)  # k0 k0 k1 k1 k2 k2
+    keys[0, 0, 5] += 1.0  # the last pair differs: the bias must not make it an exact duplicate
+    values = torch.randn(1, 1, 6, 4, generator=g)
+    values[0, 0, 1::2] = values[0, 0, 0::2]
+    q = torch.randn(1, 2, 1, 4, generator=g)
+    kv = LayerKV.from_dense(keys, values)
+    dense, _ = ragged_attention(q, keys[:, :, :5], values[:, :, :5], kv.valid()[:, :, :5], kv.positions[:, :, :5],
+                                torch.tensor([[9]]), 0.5)
+    merged = DuplicateFirstHalf().compress(0, LayerKV.from_dense(keys[:, :, :5], values[:, :, :5]), None, None, "")
+    merged.state["logit_bias"][0, 0, 2] = 0.0  # slot 4 stands for one token (the pair was cut at 5)
+    out, _ = ragged_attention(q, merged.keys, merged.values, merged.valid(), merged.positions, torch.tensor([[9]]),
+                              0.5, key_bias=merged.state["logit_bias"])
+    torch.testing.assert_close(out, dense)
+
+
+def test_engine_applies_a_methods_logit_bias(tiny_model):
+    prompt = prompts([24], tiny_model.config.vocab_size, seed=8)[0]
+    logits = []
+    for method in (DuplicateFirstHalf(), DuplicateFirstHalf(with_bias=False)):
+        session = Engine(tiny_model, method, Budget("fraction", 0.5)).prefill([prompt], 2)
+        session.feed(torch.tensor([[5]]))
+        logits.append(session.logits)
+    assert not torch.allclose(logits[0], logits[1])  # the bias reaches attention

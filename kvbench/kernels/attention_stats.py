@@ -35,6 +35,7 @@ def ragged_attention(
     want_column_sums: bool = False,
     want_step: bool = False,
     chunk: int = 512,
+    key_bias: Tensor | None = None,
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """Masked softmax attention with optional statistics.
 
@@ -45,7 +46,7 @@ def ragged_attention(
     queries when several are fed at once), each (B, H_kv, T), averaged over the query heads of a group,
     in float32.
     """
-    if use_triton("ragged_attention", query):
+    if key_bias is None and use_triton("ragged_attention", query):  # the Triton twin takes no bias yet
         from kvbench.kernels import triton_attention
 
         return triton_attention.ragged_attention(
@@ -61,12 +62,15 @@ def ragged_attention(
     col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums or want_step else None
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
     k_rep = keys.float().repeat_interleave(group, dim=1)
+    bias = None if key_bias is None else key_bias.float().repeat_interleave(group, dim=1)[:, :, None, :T]
     v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
     for start in range(0, Q, chunk):
         stop = min(Q, start + chunk)
         mask = attention_mask(key_valid, key_pos, query_pos[:, start:stop])  # (B, Hkv, c, T)
         mask = mask.repeat_interleave(group, dim=1)
         logits = torch.matmul(query[:, :, start:stop].float(), k_rep.transpose(-1, -2)) * scaling
+        if bias is not None:
+            logits = logits + bias
         logits = logits.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries -> 0
         if out is not None:

