@@ -120,6 +120,11 @@ class LayerKV:
             s.scatter_(2, slot, torch.zeros_like(slot, dtype=s.dtype))
         self.lengths += q
 
+    def accumulate(self, name: str, amount: Tensor) -> None:
+        """state[name] += amount (B, H, T) in float32; starts the state if the method has none yet."""
+        amount = amount.float()
+        self.state[name] = self.state[name] + amount if name in self.state else amount.clone()
+
     def nbytes(self) -> int:
         """Bytes of K and V in real slots (the logical cache size)."""
         per_slot = self.keys.shape[-1] * (self.keys.element_size() + self.values.element_size())

@@ -138,9 +138,8 @@ class D2O(Method):
     # -- token level ---------------------------------------------------------------------------------
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """H2O accumulation of the newest query's attention (out of place: storage may be an inference tensor)."""
-        step = stats.step_attention.float().clone()
-        kv.state[ATTENTION] = kv.state[ATTENTION] + step if ATTENTION in kv.state else step
+        """H2O accumulation of the newest query's attention."""
+        kv.accumulate(ATTENTION, stats.step_attention)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":

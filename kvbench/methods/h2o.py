@@ -51,9 +51,7 @@ class H2O(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into the per-slot score."""
-        step = stats.step_attention.float().clone()  # summed over the pass's queries
-        # Out of place: the state may have been (re)allocated inside the forward's inference mode.
-        kv.state[SCORE] = kv.state[SCORE] + step if SCORE in kv.state else step
+        kv.accumulate(SCORE, stats.step_attention)  # summed over the pass's queries
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":

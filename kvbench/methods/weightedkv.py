@@ -71,11 +71,9 @@ class WeightedKV(Method):
             check_count(self.name, 0, recent=self.recent)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """a += attention of the newest query; n += 1 on every real slot (out of place: inference tensors)."""
-        step = stats.step_attention.float().clone()
-        seen = kv.valid().float()
-        kv.state[ACCUMULATED] = kv.state[ACCUMULATED] + step if ACCUMULATED in kv.state else step
-        kv.state[OBSERVED] = kv.state[OBSERVED] + seen if OBSERVED in kv.state else seen
+        """a += attention of the newest query; n += 1 on every real slot."""
+        kv.accumulate(ACCUMULATED, stats.step_attention)
+        kv.accumulate(OBSERVED, kv.valid())
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
