@@ -73,10 +73,12 @@ def sweep_group() -> str | None:
     return f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
 
 
-def run_name(config: dict) -> str:
-    budget = config.get("budget") or {}
-    return (f"{config['model']['name']}/{config['method']['_target_'].rsplit('.', 1)[-1]}"
-            f"@{budget.get('kind')}:{budget.get('value')}/{config['task']['_target_'].rsplit('.', 1)[-1]}")
+def run_name(metrics: pd.DataFrame) -> str | None:
+    """``model/method@budget/task`` from the run's metric rows (None lets W&B pick a name)."""
+    if metrics.empty or not {"model", "method", "budget", "task"} <= set(metrics.columns):
+        return None
+    first = metrics.iloc[0]
+    return f"{first['model']}/{first['method']}@{first['budget']}/{first['task']}"
 
 
 def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: pd.DataFrame, run_dir: Path) -> None:
@@ -97,8 +99,8 @@ def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: p
         raise ConfigError(f"logger.max_prediction_rows={limit} must be >= 0 (or null for all rows)")
     run = wandb.init(
         mode=mode, project=logger_cfg.get("project") or "kvbench", entity=logger_cfg.get("entity"),
-        group=logger_cfg.get("group") or sweep_group(), tags=tags, dir=str(directory), name=run_name(config),
-        job_type=str(config["task"]["_target_"]).rsplit(".", 1)[-1],
+        group=logger_cfg.get("group") or sweep_group(), tags=tags, dir=str(directory), name=run_name(metrics),
+        job_type=str(metrics["task"].iloc[0]) if "task" in metrics and len(metrics) else None,
         config={**config, "kvbench_run_id": run_id, "kvbench_run_dir": str(run_dir)},
         settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
                                 save_code=False),

@@ -14,7 +14,6 @@ from kvbench.report.paper import FULL
 FILTER_COLUMNS = ("model", "task", "budget", "method", "dataset")
 # Columns whose differing values make different table rows of one method (besides method.* hyperparameters).
 VARIANT_COLUMNS = ("position_mode", "seed", "limit", "task.mode", "task.variant", "task.protocol")
-ROW_KEYS = ("model", "budget", "method")
 
 
 @dataclass

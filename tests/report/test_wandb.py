@@ -1,0 +1,73 @@
+"""The W&B tracker writes an offline run whose record log holds the metrics, config, group and tags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.errors import ConfigError
+from kvbench.wandb_tracker import log_to_wandb, metric_key, sweep_group
+from tests.report.wandb_records import decode_run
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "logger" / "wandb.yaml"
+
+
+def logger(tmp_path, **overrides):
+    cfg = OmegaConf.load(CONF)
+    cfg.dir = str(tmp_path)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return cfg
+
+
+def run_frames():
+    run = {"run_id": "abc123", "model": "tiny", "method": "h2o", "budget": "0.2", "task": "longbench",
+           "kept_fraction": 0.21, "tpot_seconds": 0.015}
+    metrics = pd.DataFrame([
+        {**run, "dataset": "qasper", "metric": "score", "value": 31.25, "length_bucket": "all"},
+        {**run, "dataset": "qasper", "metric": "score", "value": 12.5, "length_bucket": "4-8k"},
+        {**run, "dataset": "avg:overall", "metric": "score", "value": 31.25, "length_bucket": "all"},
+    ])
+    predictions = pd.DataFrame({"run_id": ["abc123"] * 2, "sample_id": ["a", "b"], "dataset": ["qasper"] * 2,
+                                "metric.score": [0.5, 0.125], "kept_per_layer_head": [[[3, 4]], [[5, 6]]]})
+    return metrics, predictions
+
+
+def test_defaults_are_offline_with_results_root_dir():
+    cfg = OmegaConf.load(CONF)
+    assert cfg.name == "wandb" and cfg.mode == "offline" and cfg.project == "kvbench" and cfg.group is None
+
+
+def test_offline_run_holds_metrics_config_group_and_tags(tmp_path):
+    metrics, predictions = run_frames()
+    run_dir = tmp_path / "runs" / "abc123"
+    log_to_wandb(logger(tmp_path, group="sweep-x", tags=["ci", "h2o"]), {"seed": 42, "model": {"name": "tiny"}},
+                 metrics, predictions, run_dir)
+    files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    run = decode_run(files[0])
+    assert run["summary"]["qasper/score"] == 31.25
+    assert run["summary"]["qasper/score/4-8k"] == 12.5
+    assert run["summary"]["avg:overall/score"] == 31.25
+    assert run["summary"]["run/kept_fraction"] == pytest.approx(0.21)
+    assert run["summary"]["predictions/nrows"] == 2 and run["summary"]["metrics/nrows"] == 3
+    assert run["config"]["seed"] == 42 and run["config"]["kvbench_run_id"] == "abc123"
+    assert run["group"] == "sweep-x" and sorted(run["tags"]) == ["ci", "h2o"]
+    assert run["project"] == "kvbench" and run["name"] == "tiny/h2o@0.2/longbench"
+
+
+def test_disabled_writes_nothing_and_bad_mode_is_rejected(tmp_path):
+    metrics, predictions = run_frames()
+    log_to_wandb(logger(tmp_path, mode="disabled"), {}, metrics, predictions, tmp_path / "runs" / "r")
+    assert not (tmp_path / "wandb").exists()
+    with pytest.raises(ConfigError, match="'sync'.*offline, online"):
+        log_to_wandb(logger(tmp_path, mode="sync"), {}, metrics, predictions, tmp_path / "runs" / "r")
+
+
+def test_metric_keys_and_no_group_outside_a_hydra_sweep():
+    assert metric_key({"dataset": "niah", "metric": "rouge1"}) == "niah/rouge1"
+    assert metric_key({"dataset": "qasper", "metric": "score", "length_bucket": "8k+"}) == "qasper/score/8k+"
+    assert sweep_group() is None
