@@ -44,7 +44,7 @@ def print_metrics(run_dir: Path) -> None:
     for row in metrics.itertuples():
         table.add_row(row.model, row.method, row.budget, row.task, row.dataset, row.metric, f"{row.value:.2f}",
                       str(row.n), f"{row.kept_fraction:.3f}", f"{row.tpot_seconds * 1000:.1f} ms")
-    Console().print(table)
+    Console(width=160).print(table)  # wide enough that no column is cut, even in CI logs
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
