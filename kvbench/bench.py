@@ -14,7 +14,6 @@ the kernels' scaling, not their speed. A (operation, backend) stops growing once
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -51,7 +50,7 @@ def _attention_inputs(n: int, queries: int, args, device, dtype):
 
 def operations(args, device, dtype) -> dict[str, tuple[str, Callable[[int, str], Callable[[], object]]]]:
     """name -> (expected complexity, make(n, backend) -> a zero-argument call to time)."""
-    from kvbench.kernels import column_sums, compact, merge
+    from kvbench.kernels import column_sums, compact, matching, merge, similarity
     from kvbench.kernels.attention_stats import ragged_attention
     from kvbench.kernels.dispatch import use_backend
 
@@ -85,13 +84,13 @@ def operations(args, device, dtype) -> dict[str, tuple[str, Callable[[int, str],
 
     def cosine(n, backend):
         _, k, _, _, _, _ = _attention_inputs(n, 1, args, device, dtype)
-        return lambda: _twin("similarity", "adjacent_cosine", backend)(k)
+        return forced(backend, similarity.adjacent_cosine, k)
 
     def soft_matching(n, backend):
         _, k, _, _, _, _ = _attention_inputs(n, 1, args, device, dtype)
         start = torch.zeros(k.shape[:2], dtype=torch.long, device=device)
         count = torch.full(k.shape[:2], n, device=device)
-        return lambda: _twin("matching", "chunked_soft_matching", backend)(k, start, count, 256)
+        return forced(backend, matching.chunked_soft_matching, k, start, count, 256)
 
     return {
         "decode_attention": ("n", decode),
@@ -102,12 +101,6 @@ def operations(args, device, dtype) -> dict[str, tuple[str, Callable[[int, str],
         "adjacent_cosine": ("n", cosine),
         "chunked_soft_matching": ("n", soft_matching),
     }
-
-
-def _twin(module: str, name: str, backend: str) -> Callable:
-    """The torch reference ``kvbench.kernels.<module>.<name>`` or its Triton twin (for modules without dispatch)."""
-    prefix = "triton_" if backend == "triton" else ""
-    return getattr(importlib.import_module(f"kvbench.kernels.{prefix}{module}"), name)
 
 
 def _run_with(context, fn, *args, **kwargs):

@@ -31,7 +31,10 @@ class Budget:
 
     @property
     def label(self) -> str:
-        return f"{self.value:g}" if self.kind == "fraction" else f"tokens{int(self.value)}"
+        if self.kind == "tokens":
+            return f"tokens{int(self.value)}"
+        text = f"{self.value:g}"
+        return text if "." in text else f"{text}.0"  # 1.0 -> "1.0", the name of conf/budget/1.0.yaml
 
     def n_keep(self, prompt_lengths: Tensor, max_new_tokens: int, basis: str) -> Tensor:
         """(B,) prompt lengths -> (B,) tokens to keep per head. Fractions round half up, at least 1 token."""

@@ -20,7 +20,7 @@ BUDGETS = sorted(p.stem for p in (CONF / "budget").glob("*.yaml"))
 # Small, fast settings per task so that every task runs end to end on the tiny model.
 FAST_TASK = {
     "passkey": ["task.context_lengths=[128]", "task.depths=[50]"],
-    "niah": ["task.context_lengths=[300]", "task.depths=[50]"],
+    "niah": ["task.context_lengths=[600]", "task.depths=[50]"],
     "efficiency": ["task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.new_tokens=3"],
 }
 
@@ -61,11 +61,14 @@ def test_budget_configs(name, tmp_path):
 def test_task_runs_end_to_end_on_the_tiny_model(name, tmp_path):
     overrides = ["model=tiny-llama-random", "method=full", f"task={name}", "limit=2", *FAST_TASK.get(name, [])]
     cfg = compose_cfg(tmp_path, *overrides)
-    assert isinstance(instantiate(cfg.task), Task)
+    task = instantiate(cfg.task)
+    assert isinstance(task, Task)
     run_dir = runner.run(cfg)
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
-    assert len(metrics) > 0 and metrics["value"].notna().all()
-    assert (metrics["task"] == name).all()
+    # A tiny model on CPU may grow the RSS by 0 bytes: a memory ratio 0/0 is honestly NaN, nothing else may be.
+    defined = metrics[~metrics["metric"].str.contains("peak_memory")]
+    assert len(metrics) > 0 and defined["value"].notna().all()
+    assert (metrics["task"] == task.name).all()  # longbench_e is the longbench task with variant e
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])

@@ -1,7 +1,8 @@
-"""Chunked Soft Matching (Chelsea, Hu, Wang et al. §5.2) and per-row top-k selection.
+"""Chunked Soft Matching (Chelsea, Hu, Wang et al. §5.2).
 
 Only in-chunk A x B cosines are computed: (n / c_s) chunks x (c_s / 2)^2 pairs, O(n c_s d / 4), never the
-(n x n) matrix. Torch references in float32; Triton twins of the same signatures may sit beside them.
+(n x n) matrix. Torch reference in float32; ``triton_matching`` holds the kernel of the same signature (see
+``dispatch``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.similarity import unit_keys
 
 
@@ -27,6 +29,10 @@ def chunked_soft_matching(
       partner:    slot index of the edge's B end on A slots that have an edge, else -1;
       similarity: float32 cosine of that edge, -inf where there is no edge.
     """
+    if use_triton("chunked_soft_matching", keys):
+        from kvbench.kernels import triton_matching
+
+        return triton_matching.chunked_soft_matching(keys, start, count, chunk_size)
     B, H, T, D = keys.shape
     partner = torch.full((B, H, T + 1), -1, dtype=torch.long, device=keys.device)
     similarity = torch.full((B, H, T + 1), -float("inf"), device=keys.device)
@@ -56,14 +62,3 @@ def chunked_soft_matching(
     similarity.scatter_(2, write_at, torch.where(has_edge, best, -float("inf")).view(B, H, -1))
     return partner[..., :T], similarity[..., :T]
 
-
-def topk_mask(scores: Tensor, count: Tensor) -> Tensor:
-    """(B, H, T) bool: the ``count[b, h]`` highest finite scores of each row (ties -> the earlier slot).
-
-    scores: (B, H, T), -inf marks entries that can never be chosen; count: (B, H) long. A row asking for
-    more entries than it has finite scores gets only its finite ones.
-    """
-    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
-                                            .expand_as(order).contiguous())
-    return (rank < count.unsqueeze(-1)) & torch.isfinite(scores)

@@ -1,4 +1,5 @@
-"""Score-based slot selection shared by every eviction method: protected sinks + recent window + top-k.
+"""Score-based slot selection shared by every eviction method: protected sinks + recent window + top-k, and
+a plain top-count-per-row mask.
 
 All functions work on left-aligned ragged rows (see ``kvbench.kv.LayerKV``): row ``(b, h)`` has
 ``lengths[b, h]`` real slots; slots ``[0, sinks)`` are the oldest tokens and ``[len - recent, len)`` the newest.
@@ -18,12 +19,13 @@ def protected_mask(lengths: Tensor, capacity: int, sinks: int, recent: int) -> T
 
 
 def keep_topk(
-    scores: Tensor, n_keep: Tensor, lengths: Tensor, sinks: int = 0, recent: int = 0
+    scores: Tensor, n_keep: Tensor, lengths: Tensor, sinks: int | Tensor = 0, recent: int | Tensor = 0
 ) -> tuple[Tensor, Tensor]:
     """Pick which slots each row keeps.
 
     scores:  (B, H, T) higher = more important; padding slots are ignored.
     n_keep:  (B, H) slots to keep per row (rows shorter than that keep everything).
+    sinks, recent: protected slot counts, one int for every row or a (B, H, 1) long tensor of per-row counts.
     Protected slots (sinks, recent) are kept first; the rest of the budget goes to the highest scores.
     If the protected slots alone exceed ``n_keep`` the most recent of them win, then the sinks.
 
@@ -70,3 +72,15 @@ def pool1d(scores: Tensor, kernel_size: int, mode: str = "max") -> Tensor:
     else:
         raise ValueError(f"pooling mode '{mode}'; accepted: max, mean")
     return out.reshape(shape).to(scores.dtype)
+
+
+def topk_mask(scores: Tensor, count: Tensor) -> Tensor:
+    """(B, H, T) bool: the ``count[b, h]`` highest finite scores of each row (ties -> the earlier slot).
+
+    scores: (B, H, T), -inf marks entries that can never be chosen; count: (B, H) long. A row asking for
+    more entries than it has finite scores gets only its finite ones.
+    """
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device)
+                                            .expand_as(order).contiguous())
+    return (rank < count.unsqueeze(-1)) & torch.isfinite(scores)

@@ -4,7 +4,8 @@ each source slot's most similar target slot.
 Used by KVMerger (merging sets = runs of consecutive similar keys) and D2O (nearest kept slot of every
 evicted slot: only the |E| x |C| block, in chunks). No (T x T) similarity matrix is ever
 built: the chain rule needs the T-1 adjacent cosines, the anchor rule one cosine per slot. Torch references
-in float32; Triton twins of the same signatures may sit beside them.
+in float32; ``triton_similarity`` holds kernels of the same signatures for ``adjacent_cosine`` and
+``anchor_runs`` (see ``dispatch``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvbench.kernels.dispatch import use_triton
 
 
 def unit_keys(keys: Tensor) -> Tensor:
@@ -21,6 +24,10 @@ def unit_keys(keys: Tensor) -> Tensor:
 
 def adjacent_cosine(keys: Tensor) -> Tensor:
     """cos(k_t, k_{t+1}) for every adjacent slot pair: keys (B, H, T, D) -> (B, H, T-1) float32."""
+    if use_triton("adjacent_cosine", keys):
+        from kvbench.kernels import triton_similarity
+
+        return triton_similarity.adjacent_cosine(keys)
     unit = unit_keys(keys)
     return (unit[:, :, :-1] * unit[:, :, 1:]).sum(-1)
 
@@ -58,6 +65,10 @@ def anchor_runs(keys: Tensor, mergeable: Tensor, lengths: Tensor, epsilon: float
     keys: (B, H, T, D); mergeable: (B, H, T) bool; lengths: (B, H).
     Returns run ids (B, H, T) as ``run_ids``. Cost O(T D), but a sequential scan of T steps over all rows.
     """
+    if use_triton("anchor_runs", keys):
+        from kvbench.kernels import triton_similarity
+
+        return triton_similarity.anchor_runs(keys, mergeable, lengths, epsilon)
     unit = unit_keys(keys)
     B, H, T, D = unit.shape
     joins = torch.zeros(B, H, max(T - 1, 0), dtype=torch.bool, device=keys.device)

@@ -69,8 +69,13 @@ class Method:
         """Every field, for results rows and logs."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+    def layer_budgets(
+        self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats], max_new_tokens: int
+    ) -> Tensor:
         """Split the per-layer budget across layers: (B,) -> (L, B). Default: every layer gets ``n_keep``.
+
+        ``prefill_stats`` are the prompt pass's statistics per layer (``num_queries`` = prompt lengths);
+        ``max_new_tokens`` is the generation length the budget was set for.
 
         Methods with layer-adaptive budgets (PyramidKV, D2O) override this; the total must stay
         ``num_layers * n_keep`` per sample so that budgets compare fairly.

@@ -16,9 +16,12 @@ row holds up to B + decode_interval - 1 slots, as in the paper.
 
 Readings (methods.md §5.c/5.g), flagged [I]:
 - Keys are the cached post-RoPE keys. The per-slot degree is tracked in ``state["merged_tokens"]``
-  (= degree - 1, so that appended tokens start at degree 1). The paper's attention over centroids weighs a
-  centroid by its degree (a log n logit bias); kvbench's attention has no per-slot bias yet, so the degree
-  is stored but not used at attention time (engine change requested).
+  (= degree - 1, so that appended tokens start at degree 1).
+- Degree bias (``degree_bias=true``, default): the clustered attention of §3 weighs a centroid by its degree
+  n_c, i.e. adds log n_c to its logit; the paper never says inference applies it. It is kept as the per-slot
+  ``state["logit_bias"] = log(1 + merged_tokens)``, rewritten after every compression call (prefill and each
+  decode re-clustering); tokens appended in between get 0 = log 1. With it, a centroid of n identical keys
+  takes exactly the attention its n tokens would. ``degree_bias=false`` keeps the degree for merging only.
 - Compression-ratio schedule: r_t = max(r0 - r_decay * min(t, r_steps), r_min), t = step index within one
   compression call; the defaults (r_decay=0) give the constant ratio r0 the paper uses for NIAH. The paper's
   per-model constants are lost.
@@ -26,14 +29,15 @@ Readings (methods.md §5.c/5.g), flagged [I]:
   then sinks), so the budget always holds.
 - Outlier heads (``outlier_heads_file``, written by ``python -m kvbench.methods.chelsea_calibrate``) keep a
   full cache. Budget reallocation (App. C.2): with H heads in all (layers x KV heads) and H_o outliers,
-  normal heads get B' = floor((H * B - H_o * n) / (H - H_o)), clamped to [1, B], where n = prompt length:
-  outlier heads are charged what they hold when the budget is set. Their growth while generating (H_o x
-  max_new_tokens tokens) is not charged: methods are not told max_new_tokens (engine change requested).
+  normal heads get B' = floor((H * B - H_o * T) / (H - H_o)), clamped to [1, B], where T = prompt length +
+  max_new_tokens: outlier heads are charged the full cache they hold at the end of generation.
 
-Cost: no attention statistics (FlashAttention-compatible). One CSM step over a region of m slots costs
-O(m * chunk_size * d / 4) for the in-chunk cosines, O(m log m) for ranking edges and O(m d) for the merge;
-prefill runs about log_{1/(1-r)}(m / B) steps; decode runs one step on about B + decode_interval slots every
-decode_interval steps, i.e. O(B * chunk_size * d / (4 * decode_interval)) per generated token.
+Cost: no attention statistics (FlashAttention-compatible; with ``degree_bias`` the engine attends through its
+ragged path, which adds the per-slot bias, instead of the wrapped FlashAttention/SDPA kernel). One CSM step
+over a region of m slots costs O(m * chunk_size * d / 4) for the in-chunk cosines, O(m log m) for ranking
+edges and O(m d) for the merge; prefill runs about log_{1/(1-r)}(m / B) steps; decode runs one step on about
+B + decode_interval slots every decode_interval steps, i.e. O(B * chunk_size * d / (4 * decode_interval)) per
+generated token.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.matching import chunked_soft_matching, topk_mask
+from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.kernels.merge import group_sum, scatter_merge
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kernels.select import topk_mask
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method
 
 MERGED = "merged_tokens"  # per-slot state: original tokens merged into the slot besides its own (degree - 1)
@@ -58,7 +63,8 @@ MERGED = "merged_tokens"  # per-slot state: original tokens merged into the slot
 @dataclass
 class Chelsea(Method):
     """sinks, recent: protected slots; chunk_size: CSM chunk (null = no chunking); r0, r_decay, r_steps,
-    r_min: compression-ratio schedule; outlier_heads_file: calibration JSON (null = no outlier heads)."""
+    r_min: compression-ratio schedule; outlier_heads_file: calibration JSON (null = no outlier heads);
+    degree_bias: add log(degree) to every slot's attention logit [I]."""
 
     name: ClassVar[str] = "chelsea"
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -72,6 +78,7 @@ class Chelsea(Method):
     r_steps: int = 0
     r_min: float = 0.1
     outlier_heads_file: str | None = None
+    degree_bias: bool = True
     compress_during_decode: bool = True
     decode_interval: int = 64
 
@@ -93,9 +100,11 @@ class Chelsea(Method):
         """Compression ratio r_t of clustering step ``step`` (0-based) within one compression call."""
         return max(self.r0 - self.r_decay * min(step, self.r_steps), self.r_min)
 
-    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+    def layer_budgets(
+        self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats], max_new_tokens: int
+    ) -> Tensor:
         """(B,) -> (L, B): B' for the normal heads of every layer (outlier heads ignore it)."""
-        budgets = super().layer_budgets(n_keep, num_layers, prefill_stats)
+        budgets = super().layer_budgets(n_keep, num_layers, prefill_stats, max_new_tokens)
         if self._outliers is None:
             return budgets
         shape = self._outliers["shape"]
@@ -105,8 +114,8 @@ class Chelsea(Method):
         total, n_out = shape[0] * shape[1], len(self._outliers["heads"])
         if n_out == total:
             return budgets
-        prompt = prefill_stats[0].num_queries.to(n_keep)
-        normal = torch.div(total * n_keep - n_out * prompt, total - n_out, rounding_mode="floor")
+        full_cache = prefill_stats[0].num_queries.to(n_keep) + max_new_tokens  # what an outlier head ends with
+        normal = torch.div(total * n_keep - n_out * full_cache, total - n_out, rounding_mode="floor")
         return torch.minimum(normal.clamp(min=1), n_keep).unsqueeze(0).expand(num_layers, -1).clone()
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
@@ -118,6 +127,8 @@ class Chelsea(Method):
         while bool((kv.lengths > target).any()):
             kv = self.cluster_step(kv, target, self.ratio(step))
             step += 1
+        if self.degree_bias:
+            kv.state[LOGIT_BIAS] = torch.log1p(kv.state[MERGED].float())
         return kv
 
     def outlier_rows(self, layer: int, kv: LayerKV) -> Tensor:

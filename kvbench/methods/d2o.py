@@ -112,7 +112,9 @@ class D2O(Method):
         density = ((var - low) / (high - low).clamp(min=1e-12)).mean(-1)  # D_l in [0, 1], (L, B)
         return torch.softmax(-density, dim=0)
 
-    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+    def layer_budgets(
+        self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats], max_new_tokens: int
+    ) -> Tensor:
         """(B,) -> (L, B) per-layer budgets summing to L * n_keep per sample (module docstring)."""
         bad = [layer for layer in self.protect_layers if not 0 <= layer < num_layers]
         if bad:

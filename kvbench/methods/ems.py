@@ -21,9 +21,16 @@ the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),   k_hat_c = normalise(sum_j w_j k_j_raw / ||k_j_raw||),
 with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
 so the entry's attention logit is exactly the weighted mean of the logits the expanded members would get.
-What is lost: multiplicity. Expanded, a cluster of m members takes about m softmax shares; one entry takes
-one, and an additive log-mass logit bias would be needed to restore that (the engine has none). RoPE at a
-member's position is read off that member's own raw/rotated key pair (``rotate_like``).
+RoPE at a member's position is read off that member's own raw/rotated key pair (``rotate_like``).
+Multiplicity (``multiplicity_bias``, [I]): expanded, a cluster of m members takes m softmax shares, one per
+member whatever its merge weight (the weights only shape the shared direction and the value). With
+``multiplicity_bias=true`` (default) the entry keeps the per-slot ``state["logit_bias"] = log m``, m = the
+plain count of original tokens it stands for (not a score-weighted effective count: every expanded member
+is one share), carried through decode merges (counts add; zero-class members are gone and do not count), so
+its softmax weight is m * exp(mean logit): exactly the expanded cluster's when its members' logits coincide
+(e.g. "w.o. pos" with equal norms), where an unbiased entry gets 1/m of it. What is still lost: the spread
+of the members' logits (m * exp(mean) is not the sum of their exps), and with ``multiplicity_bias=false``
+the multiplicity itself (one share per cluster).
 k_hat_c is renormalised to unit length (the paper does not say) so that members keep their norms exactly.
 
 Per-slot state (LayerKV.state, moves with the slot):
@@ -33,6 +40,8 @@ Per-slot state (LayerKV.state, moves with the slot):
   s_loc_cur_queries     queries summed into s_loc_cur (the same on every slot of a row)
   merged_mass           merge weight of the members absorbed into this entry; an entry's merge weight is
                         its current score + merged_mass, so clusters merged again at decode keep their mass
+  merged_tokens         original tokens merged into this entry besides its own (m - 1; new tokens start at 0)
+  logit_bias            log m, only with multiplicity_bias (see above); read by the engine's attention
 Key norms need no state: a stored key's norm is its members' weighted mean norm, and RoPE keeps norms.
 
 Readings [I], see §2.g: merge weights are the pooled Global-Local score at prefill and score + merged_mass
@@ -55,11 +64,11 @@ from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, redundancy, rotate_like
 from kvbench.kernels.select import pool1d
 from kvbench.kernels.similarity import unit_keys
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
-STATE = ("s_glo", "s_loc_past", "s_loc_cur", "s_loc_cur_queries", "merged_mass")
+STATE = ("s_glo", "s_loc_past", "s_loc_cur", "s_loc_cur_queries", "merged_mass", "merged_tokens")
 
 
 def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
@@ -78,7 +87,8 @@ def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
 class EMS(Method):
     """window: L_win; kernel_size: mean pooling of the score; tau: merge threshold on R; gamma: merge
     magnification (N_budget + N_tbm) / N_budget (1 = eviction only, inf = no first-level eviction);
-    similarity: key_value | key | value; positions: with | without (EMS w. pos / w.o. pos)."""
+    similarity: key_value | key | value; positions: with | without (EMS w. pos / w.o. pos);
+    multiplicity_bias: add log(member count) to a merged entry's attention logit [I]."""
 
     name: ClassVar[str] = "ems"
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "window_column_sums", "raw_keys"})
@@ -91,6 +101,7 @@ class EMS(Method):
     gamma: float = 4
     similarity: str = "key_value"
     positions: str = "without"
+    multiplicity_bias: bool = True
     compress_during_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -221,6 +232,10 @@ class EMS(Method):
         out = kv.gather(index, lengths)
         own_score = score.gather(-1, index)
         out.state["merged_mass"] = torch.where(out.valid(), mass - own_score, 0.0)
+        tokens = group_sum(kv.state["merged_tokens"] + 1, target, G)  # (B, H, G) original tokens per entry
+        out.state["merged_tokens"] = torch.where(out.valid(), tokens - 1, 0.0)
+        if self.multiplicity_bias:
+            out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
         merged = (members > 1).unsqueeze(-1)
         if not bool(merged.any()):  # every TBM slot went to the zero class: a plain gather
             return out

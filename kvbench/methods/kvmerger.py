@@ -18,7 +18,10 @@ Readings where the paper is ambiguous (methods.md §1.g), each a config switch:
   i.e. 2 sigma^2 = (mean key distance to the pivot)^2; a set whose keys all coincide gets equal weights.
   A number (e.g. 5, the Table 3 optimum) fixes sigma.
 - value_scaling="set_size" (as stated: "w_i and w_p should also multiply |S_v|"); "none" keeps the convex
-  value average (a deviation from the paper).
+  value average (a deviation from the paper); "proportional" (a deviation, the spec's documented alternative,
+  methods.md §1.g.5) keeps the convex value average and adds log|S| to the merged slot's attention logit
+  (ToMe-style proportional attention, per-slot ``state["logit_bias"]``), so the set takes |S| softmax shares
+  instead of one share with an |S|-times value.
 - a_j is read as the column sum of the prompt attention (Algorithm 2 writes a row sum, identically 1).
 - recent_ratio / heavy_ratio are fractions (the paper's "0.17%" etc.). Defaults are the paper's 50%-budget
   setting (0.17 / 0.12); its 35% setting is recent_ratio=0.08 heavy_ratio=0.02.
@@ -31,7 +34,8 @@ within a tier the higher score wins; a merged slot's score is the summed attenti
 
 Cost: needs the prompt's column sums (the engine's O(n^2) attention pass, chunked). The compression itself is
 O(n d) for the n-1 adjacent cosines and the merge, O(n log n) for the heavy-hitter ranking; one shot per
-layer after the prompt; zero per decode step.
+layer after the prompt; zero per decode step (with value_scaling="proportional" decoding attends through the
+engine's ragged path, which adds the bias, instead of the wrapped FlashAttention/SDPA kernel).
 """
 
 from __future__ import annotations
@@ -43,14 +47,14 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.matching import topk_mask
 from kvbench.kernels.merge import group_sum, scatter_merge
+from kvbench.kernels.select import topk_mask
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval
 
 GROUPINGS = ("chain", "anchor")
-VALUE_SCALINGS = ("set_size", "none")
+VALUE_SCALINGS = ("set_size", "none", "proportional")
 
 
 @dataclass
@@ -100,6 +104,8 @@ class KVMerger(Method):
         merged.keys = scatter_merge(kv.keys, groups, weight, G)
         value_weight = weight * size if self.value_scaling == "set_size" else weight
         merged.values = scatter_merge(kv.values, groups, value_weight, G)
+        if self.value_scaling == "proportional":
+            merged.state[LOGIT_BIAS] = group_sum((groups >= 0).float(), groups, G).clamp(min=1).log()  # log|S|
         merged.zero_padding()
         if self.enforce_budget:
             merged = self.evict_to_budget(merged, score, protected, groups, pivot, n_keep)

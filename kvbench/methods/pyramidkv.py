@@ -47,7 +47,9 @@ class PyramidKV(SnapKV):
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta >= 1:
             raise ConfigError(f"{self.name}: beta={self.beta!r} must be a number >= 1 (1 = equal budgets)")
 
-    def layer_budgets(self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats]) -> Tensor:
+    def layer_budgets(
+        self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats], max_new_tokens: int
+    ) -> Tensor:
         """(B,) mean budget -> (L, B) integer budgets, decreasing with depth, summing to L * n_keep."""
         if num_layers == 1:
             return n_keep.view(1, -1).clone()

@@ -175,7 +175,7 @@ def test_snapkv_does_not_compress_while_decoding():
 
 
 def test_pyramidkv_budgets_by_hand():
-    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 13]), 4, [])
+    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 13]), 4, [], 0)
     # n_keep 20: spare 16, top 16/2 = 8, bottom 32 - 8 = 24; 4 + (24 .. 8 on a line) = [28, 22.67, 17.33, 12]
     #   -> floors sum to 79, the missing 1 goes to the largest fraction (22.67)
     # n_keep 13: spare 9, top 4.5, bottom 13.5 -> [17.5, 14.5, 11.5, 8.5] -> floors 50, +2 to the lowest layers
@@ -184,7 +184,7 @@ def test_pyramidkv_budgets_by_hand():
 
 def test_pyramidkv_bottom_layer_capped_at_the_prompt():
     stats = [AttentionStats(num_queries=torch.tensor([24, 30, 100]))]
-    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 30, 3]), 4, stats)
+    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 30, 3]), 4, stats, 0)
     # n_keep 20 of 24: bottom 4 + 24 > 24 -> bottom 20, top 32 - 20 = 12: [24, 21.33, 18.67, 16] -> +1 to 18.67
     # n_keep 30 >= prompt 30: nothing to compress, every layer 30; n_keep 3 <= window: every layer 3
     assert budgets.tolist() == [[24, 30, 3], [21, 30, 3], [19, 30, 3], [16, 30, 3]]
@@ -192,7 +192,7 @@ def test_pyramidkv_bottom_layer_capped_at_the_prompt():
 
 @pytest.mark.parametrize("n_keep", [33, 40, 100, 257, 1000])
 def test_pyramidkv_budgets_sum_to_the_total_and_decrease_with_depth(n_keep):
-    budgets = PyramidKV().layer_budgets(torch.tensor([n_keep]), 32, [])[:, 0]
+    budgets = PyramidKV().layer_budgets(torch.tensor([n_keep]), 32, [], 0)[:, 0]
     assert int(budgets.sum()) == 32 * n_keep
     assert all(a >= b for a, b in zip(budgets.tolist(), budgets[1:].tolist()))
     assert int(budgets.min()) >= 32 and int(budgets[0]) > n_keep > int(budgets[-1])

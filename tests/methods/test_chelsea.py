@@ -6,6 +6,7 @@ Expected values are worked out by hand in the comments.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.errors import ConfigError
-from kvbench.kernels.matching import chunked_soft_matching, topk_mask
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.matching import chunked_soft_matching
+from kvbench.kernels.select import topk_mask
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.chelsea import MERGED, Chelsea
 from kvbench.methods.chelsea_calibrate import calibrate, edgeless_fraction
 
@@ -71,6 +74,32 @@ def test_one_step_merges_the_best_edge_into_a_degree_weighted_centroid():
     torch.testing.assert_close(out.values[0, 0, 2], torch.tensor([3.0, 2.0]))  # (3 (4,0) + (0,8)) / 4
     assert out.state[MERGED].tolist() == [[[0.0, 0.0, 3.0]]]
     torch.testing.assert_close(out.keys[0, 0, :2], kv.keys[0, 0, 1:3])
+    # degree bias: log(degree) = log 4 on the centroid, log 1 = 0 on the untouched slots
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[0.0, 0.0, math.log(4.0)]]]))
+    kv.state = {MERGED: torch.tensor([[[2.0, 0.0, 0.0, 0.0]]])}
+    plain = Chelsea(sinks=0, recent=0, chunk_size=None, degree_bias=False).compress(
+        0, kv, AttentionStats(), torch.tensor([3]), "prefill")
+    assert LOGIT_BIAS not in plain.state and torch.equal(plain.keys, out.keys)
+
+
+def test_degree_bias_makes_a_centroid_attend_like_its_identical_members():
+    # Slots 0-3 share key k; A slots 0, 2 both match B slot 1 with cosine 1 (ties -> the earlier B slot), A4's
+    # best cosine is below 1. Target 4 = 2 edges: slots 0, 2 join 1 -> a centroid of degree 3 (bias log 3).
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(4, generator=g)
+    keys = torch.stack([k, k, k, k, torch.randn(4, generator=g), torch.randn(4, generator=g)]).view(1, 1, 6, 4)
+    values = torch.randn(1, 1, 6, 4, generator=g)  # the members' values differ: the centroid takes their mean
+    kv = LayerKV.from_dense(keys, values)
+    out = Chelsea(sinks=0, recent=0, chunk_size=None).compress(0, kv, AttentionStats(), torch.tensor([4]), "prefill")
+    assert out.positions.tolist() == [[[1, 3, 4, 5]]]
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[math.log(3.0), 0.0, 0.0, 0.0]]]))
+    query, query_pos = torch.randn(1, 2, 1, 4, generator=g), torch.tensor([[9]])
+    dense, _ = ragged_attention(query, keys, values, kv.valid(), kv.positions, query_pos, 0.5)
+    merged, _ = ragged_attention(query, out.keys, out.values, out.valid(), out.positions, query_pos, 0.5,
+                                 key_bias=out.state[LOGIT_BIAS])
+    torch.testing.assert_close(merged, dense)
+    unbiased, _ = ragged_attention(query, out.keys, out.values, out.valid(), out.positions, query_pos, 0.5)
+    assert not torch.allclose(unbiased, dense)  # without the bias the centroid counts once
 
 
 def test_ratio_schedule():
@@ -98,14 +127,19 @@ def outlier_file(tmp_path, heads, layers=2, kv_heads=2):
 
 def test_outlier_heads_keep_full_cache_and_budget_is_reallocated(tmp_path):
     method = Chelsea(sinks=4, recent=8, outlier_heads_file=outlier_file(tmp_path, [[0, 1]]))
-    # H = 2 layers x 2 heads = 4, H_o = 1, B = 50, prompt 100: B' = floor((4*50 - 1*100) / 3) = 33
-    budgets = method.layer_budgets(torch.tensor([50]), 2, [AttentionStats(num_queries=torch.tensor([100]))] * 2)
-    assert budgets.tolist() == [[33], [33]]
+    # H = 2 layers x 2 heads = 4, H_o = 1, B = 50, prompt 100 + 20 new tokens: an outlier head ends with
+    # T = 120 slots, so B' = floor((4*50 - 1*120) / 3) = floor(26.67) = 26
+    prompt = [AttentionStats(num_queries=torch.tensor([100]))] * 2
+    budgets = method.layer_budgets(torch.tensor([50]), 2, prompt, 20)
+    assert budgets.tolist() == [[26], [26]]
+    # nothing to generate: T = 100, B' = floor(100 / 3) = 33
+    assert method.layer_budgets(torch.tensor([50]), 2, prompt, 0).tolist() == [[33], [33]]
     kv = LayerKV.from_dense(torch.randn(1, 2, 100, 4), torch.randn(1, 2, 100, 4))
     out = method.compress(0, kv, AttentionStats(), budgets[0], "prefill")
-    assert out.lengths.tolist() == [[33, 100]]
+    assert out.lengths.tolist() == [[26, 100]]
     assert torch.equal(out.keys[0, 1], kv.keys[0, 1])
-    assert method.compress(1, kv, AttentionStats(), budgets[1], "prefill").lengths.tolist() == [[33, 33]]
+    assert out.state[LOGIT_BIAS][0, 1].abs().sum() == 0  # the full head is never merged
+    assert method.compress(1, kv, AttentionStats(), budgets[1], "prefill").lengths.tolist() == [[26, 26]]
 
 
 def test_outlier_file_errors(tmp_path):
@@ -171,6 +205,10 @@ def test_decode_reclusters_every_interval_within_budget(tiny_model):
         session.feed(torch.tensor([[5]]))
         lengths = session.cache.lengths().unique().tolist()
         assert lengths == ([48] if step % 8 == 0 else [48 + step % 8])
+        for kv in session.cache.layers:  # the bias follows the degree through re-clustering; new slots get 0
+            kv = kv.kv
+            torch.testing.assert_close(kv.state[LOGIT_BIAS], torch.log1p(kv.state[MERGED]) * kv.valid())
+            assert kv.state[LOGIT_BIAS][:, :, 48:48 + step % 8].abs().sum() == 0
     kv = session.cache.kv(0)
     assert float((kv.state[MERGED] + kv.valid()).sum()) == 2 * 216  # 2 heads x 216 tokens seen
 

@@ -89,23 +89,24 @@ def test_inverse_variance_softmax_budgets():
              for v in ([0.0, 1.0, 3.0], [0.0, 2.0, 2.0])]
     # min-max over heads: D_0 = (0 + 1/3 + 1) / 3 = 4/9, D_1 = (0 + 1 + 1) / 3 = 2/3.
     lam0 = 1 / (1 + math.exp(-(2 / 3 - 4 / 9)))  # softmax(-D)_0 = 0.5553
-    budgets = D2O().layer_budgets(torch.tensor([10]), 2, stats)
+    budgets = D2O().layer_budgets(torch.tensor([10]), 2, stats, 0)
     assert lam0 * 20 == pytest.approx(11.107, abs=1e-3)
     assert budgets[:, 0].tolist() == [11, 9]
-    uniform = D2O(allocation="uniform").layer_budgets(torch.tensor([10]), 2, stats)
+    uniform = D2O(allocation="uniform").layer_budgets(torch.tensor([10]), 2, stats, 0)
     assert uniform[:, 0].tolist() == [10, 10]
     # reciprocal: mean variance 4/3 and 4/3 -> equal
-    assert D2O(allocation="reciprocal_variance").layer_budgets(torch.tensor([10]), 2, stats)[:, 0].tolist() == [10, 10]
+    reciprocal = D2O(allocation="reciprocal_variance").layer_budgets(torch.tensor([10]), 2, stats, 0)
+    assert reciprocal[:, 0].tolist() == [10, 10]
 
 
 def test_protected_layers_count_inside_the_total():
     stats = [AttentionStats(column_sums=column_sums_with_variances([0.0, 1.0]), num_queries=torch.tensor([40]))] * 3
-    budgets = D2O(allocation="uniform", protect_layers=[0]).layer_budgets(torch.tensor([20]), 3, stats)
+    budgets = D2O(allocation="uniform", protect_layers=[0]).layer_budgets(torch.tensor([20]), 3, stats, 0)
     assert budgets[:, 0].tolist() == [40, 10, 10]
     with pytest.raises(ConfigError, match="protect_layers"):
-        D2O(protect_layers=[0]).layer_budgets(torch.tensor([10]), 3, stats)
+        D2O(protect_layers=[0]).layer_budgets(torch.tensor([10]), 3, stats, 0)
     with pytest.raises(ConfigError, match=r"\[5\]"):
-        D2O(protect_layers=[5]).layer_budgets(torch.tensor([20]), 3, stats)
+        D2O(protect_layers=[5]).layer_budgets(torch.tensor([20]), 3, stats, 0)
 
 
 def test_allocate_clamps_and_keeps_the_total():

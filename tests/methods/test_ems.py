@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.errors import ConfigError
+from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.redundancy import redundancy, rotate_like
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.ems import EMS, global_local_score
 
 
@@ -73,8 +74,34 @@ def test_weighted_merge_when_redundancy_reaches_tau():
     assert torch.allclose(out.keys[0, 0, 0], norm * direction / direction.norm(), atol=1e-6)
     assert torch.allclose(out.keys[0, 0, 0], torch.tensor([2.51531, 0.47979]), atol=1e-4)
     assert torch.equal(out.keys[0, 0, 1], torch.tensor([1.0, 1.0]))
-    # the centre remembers the merged member's weight
+    # the centre remembers the merged member's weight, and that it stands for 2 tokens: bias log 2
     assert torch.allclose(out.state["merged_mass"][0, 0], torch.tensor([1.0, 0.0]))
+    assert out.state["merged_tokens"].tolist() == [[[1.0, 0.0]]]
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[math.log(2.0), 0.0]]]))
+    plain = EMS(window=1, kernel_size=1, tau=0.6, gamma=2, multiplicity_bias=False).compress(
+        0, kv, stats, torch.tensor([2]), "prefill")
+    assert LOGIT_BIAS not in plain.state and torch.equal(plain.keys, out.keys)
+    assert plain.state["merged_tokens"].tolist() == [[[1.0, 0.0]]]
+
+
+def test_multiplicity_bias_gives_a_cluster_of_identical_members_their_shares():
+    # Slots 1 and 2 are identical (R = 1): one centre of 2 tokens (bias log 2). Slot 3 (R = 0) and slot 0 (Irr)
+    # are evicted. Attention over the 2 entries then equals attention over the surviving tokens 1, 2, 4.
+    keys = [[9.0, 9.0], [2.0, 0.0], [2.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+    values = [[5.0, 5.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [7.0, 7.0]]
+    kv, stats = one_row(keys, values, SCORES)
+    out = EMS(window=1, kernel_size=1, tau=0.6, gamma=2).compress(0, kv, stats, torch.tensor([2]), "prefill")
+    assert out.positions.tolist() == [[[1, 4]]]
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[math.log(2.0), 0.0]]]))
+    query, query_pos = torch.tensor([[[[0.7, -0.3]]]]), torch.tensor([[9]])
+    survivors = torch.tensor([[[False, True, True, False, True]]])
+    dense, _ = ragged_attention(query, kv.keys, kv.values, survivors, kv.positions, query_pos, 1.0)
+    merged, _ = ragged_attention(query, out.keys, out.values, out.valid(), out.positions, query_pos, 1.0,
+                                 key_bias=out.state[LOGIT_BIAS])
+    torch.testing.assert_close(merged, dense)
+    # by hand: logits 1.4 (x2) and 0.4; output = (2 e^1.4 (1, 0) + e^0.4 (7, 7)) / (2 e^1.4 + e^0.4)
+    a, b = 2 * math.exp(1.4), math.exp(0.4)
+    torch.testing.assert_close(merged[0, 0, 0], torch.tensor([(a + 7 * b) / (a + b), 7 * b / (a + b)]))
 
 
 def test_zero_class_evicts_tbm_token_below_tau():
@@ -84,6 +111,7 @@ def test_zero_class_evicts_tbm_token_below_tau():
     assert torch.equal(out.keys[0, 0], torch.tensor([[2.0, 0.0], [1.0, 1.0]]))
     assert torch.equal(out.values[0, 0], torch.tensor([[1.0, 0.0], [7.0, 7.0]]))
     assert out.state["merged_mass"].abs().sum() == 0
+    assert out.state["merged_tokens"].abs().sum() == 0 and out.state[LOGIT_BIAS].abs().sum() == 0
 
 
 def test_gamma_one_is_eviction_only():
@@ -167,7 +195,9 @@ def test_decode_merges_lowest_centre_into_most_redundant():
     s_glo = torch.tensor([[[4.0, 3.0, 1.0, 0.0]]])
     kv.state = {"s_glo": s_glo, "s_loc_past": s_glo.clone(),
                 "s_loc_cur": zeros.clone(), "s_loc_cur_queries": zeros.clone(),
-                "merged_mass": torch.tensor([[[2.0, 0.0, 0.0, 0.0]]])}
+                "merged_mass": torch.tensor([[[2.0, 0.0, 0.0, 0.0]]]),
+                "merged_tokens": torch.tensor([[[2.0, 0.0, 1.0, 0.0]]]),  # slot 0 stands for 3 tokens, slot 2 for 2
+                LOGIT_BIAS: torch.tensor([[[math.log(3.0), 0.0, math.log(2.0), 0.0]]])}
     stats = AttentionStats(raw_keys=kv.keys)
     out = EMS(window=1, kernel_size=1, tau=0.6).compress(0, kv, stats, torch.tensor([3]), "decode")
     # s_Loc = s_Glo, so Global-Local = s_glo; slot 2 (score 1) is the TBM token, most redundant with slot 0
@@ -175,6 +205,9 @@ def test_decode_merges_lowest_centre_into_most_redundant():
     # weights: slot 0 = score 4 + mass 2 = 6, slot 2 = 1 -> 6/7, 1/7
     assert torch.allclose(out.values[0, 0, 0], torch.tensor([6 / 7 + 3 / 7, 0.0]))
     assert torch.allclose(out.state["merged_mass"][0, 0], torch.tensor([3.0, 0.0, 0.0]))
+    # the two clusters' token counts add: 3 + 2 = 5 -> bias log 5; the new token stands for itself
+    assert out.state["merged_tokens"].tolist() == [[[4.0, 0.0, 0.0]]]
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[math.log(5.0), 0.0, 0.0]]]))
 
 
 def test_bad_config_names_value():
@@ -253,6 +286,10 @@ def test_prefill_then_decode_properties(seed, B, H, T, budget, window, gamma, ta
         assert torch.equal(out.lengths, torch.minimum(n_keep.view(-1, 1), before + 1))
         assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
         assert all(torch.isfinite(s).all() for s in out.state.values())
+        # every entry stands for at least its own token, at most every token the row has seen; bias = log count
+        count = (out.state["merged_tokens"] + 1) * out.valid()
+        assert bool((count.sum(-1) <= kv.lengths + step + 1).all())  # prompt + appended tokens
+        torch.testing.assert_close(out.state[LOGIT_BIAS], count.clamp(min=1).log())
         # the newest token is in the local window: always kept, unchanged
         newest = out.positions.amax(-1) == full.positions.amax(-1)
         assert newest.all()

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.kvmerger import KVMerger
 
 
@@ -81,6 +82,48 @@ def test_gaussian_weights_adaptive_sigma_and_no_value_scaling():
     out = method.compress(0, cache(THREE, THREE_VALUES), stats(THREE_SCORES), torch.tensor([1]), "prefill")
     torch.testing.assert_close(out.keys[0, 0, 0], torch.tensor([3 + w[2], w[1]]))
     torch.testing.assert_close(out.values[0, 0, 0], torch.tensor([w[0], w[1]]))
+
+
+def test_proportional_value_scaling_keeps_the_convex_average_and_adds_log_set_size():
+    # the fixed-sigma case above: same key, value = w0 (1,0) + w1 (0,1) without the factor 3, bias log 3
+    g = [math.exp(-0.5), 1.0, math.exp(-1.0)]
+    w = [x / sum(g) for x in g]
+    method = KVMerger(sigma=1.0, value_scaling="proportional", **NO_PROTECTION)
+    out = method.compress(0, cache(THREE, THREE_VALUES), stats(THREE_SCORES), torch.tensor([1]), "prefill")
+    torch.testing.assert_close(out.keys[0, 0, 0], torch.tensor([3 + w[2], w[1]]))
+    torch.testing.assert_close(out.values[0, 0, 0], torch.tensor([w[0], w[1]]))
+    torch.testing.assert_close(out.state[LOGIT_BIAS], torch.tensor([[[math.log(3.0)]]]))
+    # sets {0..3}, {4}, {5}, {6..8}, {9} of the protection case: bias log 4 on the merged sets, 0 on singletons
+    scores = [0.1, 0.3, 0.2, 0.1, 5.0, 0.1, 0.1, 0.2, 0.4, 9.0]
+    kv = cache([[1.0, 1.0]] * 10, [[1.0, 0.0]] * 10)
+    kv.keys[0, 0, 5] = torch.tensor([1.0, -1.0])  # orthogonal to its neighbours: a set of its own
+    method = KVMerger(recent_ratio=0.1, heavy_ratio=0.1, value_scaling="proportional")
+    out = method.compress(0, kv, stats(scores), torch.tensor([5]), "prefill")
+    assert out.positions[0, 0].tolist() == [1, 4, 5, 8, 9]
+    torch.testing.assert_close(out.state[LOGIT_BIAS][0, 0], torch.tensor([math.log(4), 0, 0, math.log(3), 0]))
+    torch.testing.assert_close(out.values[0, 0, :, 0], torch.ones(5))
+    assert LOGIT_BIAS not in KVMerger(**NO_PROTECTION).compress(0, kv, stats(scores), torch.tensor([5]),
+                                                                "prefill").state
+
+
+def test_proportional_merge_of_identical_keys_attends_like_the_set():
+    # keys k k k k a b (a, b orthogonal to k and each other): sets {0..3}, {4}, {5}; every g = 1 in the first,
+    # so w = 1/4 and |S| e^{q.k} mean(v) = sum over the set of e^{q.k} v_j: attention is unchanged.
+    keys = [[1.0, 0.0, 0.0]] * 4 + [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randn(6, 3, generator=gen).tolist()
+    kv = cache(keys, values)
+    query, query_pos = torch.randn(1, 1, 1, 3, generator=gen), torch.tensor([[9]])
+    dense, _ = ragged_attention(query, kv.keys, kv.values, kv.valid(), kv.positions, query_pos, 1.0)
+    results = {}
+    for scaling in ("proportional", "set_size"):
+        out = KVMerger(value_scaling=scaling, **NO_PROTECTION).compress(0, kv, stats([1.0] * 6), torch.tensor([3]),
+                                                                        "prefill")
+        assert out.positions.tolist() == [[[0, 4, 5]]]
+        results[scaling], _ = ragged_attention(query, out.keys, out.values, out.valid(), out.positions, query_pos,
+                                               1.0, key_bias=out.state.get(LOGIT_BIAS))
+    torch.testing.assert_close(results["proportional"], dense)
+    assert not torch.allclose(results["set_size"], dense)  # one share with a 4x value is not the same
 
 
 def test_chain_and_anchor_grouping_differ_on_a_slow_rotation():
