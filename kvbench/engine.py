@@ -194,7 +194,8 @@ class Engine:
         forward_seconds = time.perf_counter() - start
         kv_full = [layer.kv.nbytes() for layer in cache.layers]
         n_keep = self.budget.n_keep(lengths.cpu(), max_new_tokens, self.method.budget_basis).to(self.device)
-        layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, cache.pass_stats).to(self.device)
+        layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, cache.pass_stats,
+                                                 max_new_tokens).to(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             for layer in range(self.num_layers):
