@@ -69,8 +69,12 @@ def _make_attention(impl: str):
             mask = attention_mask if layer.fresh else None
             output, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
             if wanted - {"raw_keys"}:
+                q, q_pos = query, query_pos
+                if wanted & {"column_sums", "step_attention"} == set() and cache.window > 0:
+                    # only the last `window` queries matter (left padding keeps them real): skip the rest
+                    q, q_pos = query[:, :, -cache.window:], query_pos[:, -cache.window:]
                 _, stats = ragged_attention(
-                    query, key, None, key_valid, key_pos, query_pos, scaling,
+                    q, key, None, key_valid, key_pos, q_pos, scaling,
                     window=cache.window, want_column_sums="column_sums" in wanted,
                     want_step="step_attention" in wanted,
                 )

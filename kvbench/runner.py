@@ -109,6 +109,8 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
 def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Path | None) -> Path:
     if cfg.batch_size < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    if os.environ.get("SLURM_CPUS_PER_TASK"):  # one thread per granted core: oversubscribed cores crawl
+        torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)

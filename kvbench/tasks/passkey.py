@@ -1,5 +1,10 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023, as in longctx_bench): a random number hidden in filler text.
 
+Prompt: instruction, filler with the needle at ``depth`` percent, then ``What is the pass key?`` and the
+answer prefix ``The pass key is``, which the model continues. With a chat format the answer prefix opens
+the assistant turn (after the template), the chat equivalent of the raw-text completion; inside the user
+turn, SmolLM2-135M-Instruct re-states it and runs out of its 10 tokens (exact match 2/6 vs 6/6 at 512-1k).
+
 Scoring: ``exact_match`` = the passkey digits appear in the prediction; ``partial_match`` = longest common
 substring of passkey and prediction / passkey length (the longctx_bench partial score).
 """
@@ -60,15 +65,20 @@ class Passkey(Task):
     def build_prompt(self, sample: Sample, lm) -> Prompt:
         key, length, depth = sample.meta["key"], sample.meta["context_length"], sample.meta["depth"]
         needle = NEEDLE.format(key=key)
-        tail = f"\n{QUESTION} {ANSWER_PREFIX}"
         # measured as the final prompt is encoded (a BOS added for format-string chat formats counts too)
-        fixed = len(lm.encode_prompt(lm.chat(f"{INSTRUCTION}\n{needle}{tail}"), templated=True))
+        fixed = len(self._encode(lm, f"{INSTRUCTION}\n{needle}"))
         per_filler = max(1, len(lm.encode(FILLER * 8, add_special_tokens=False)) / 8)
         n_filler = max(0, int((length - fixed) / per_filler))  # no filler if the target is below `fixed`
         before = round(n_filler * depth / 100)
         text = f"{INSTRUCTION}\n{FILLER * before}{needle}{FILLER * (n_filler - before)}"
-        ids = lm.encode_prompt(lm.chat(text + tail), templated=True)
-        return Prompt(context_ids=ids, max_new_tokens=self.max_new_tokens)
+        return Prompt(context_ids=self._encode(lm, text), max_new_tokens=self.max_new_tokens)
+
+    @staticmethod
+    def _encode(lm, text: str) -> list[int]:
+        """Question in the user turn; the answer prefix after the chat template, so the model continues it."""
+        if lm.chat_format is None:
+            return lm.encode_prompt(f"{text}\n{QUESTION} {ANSWER_PREFIX}", templated=False)
+        return lm.encode_prompt(lm.chat(f"{text}\n{QUESTION}") + ANSWER_PREFIX, templated=True)
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         key = sample.meta["key"]
