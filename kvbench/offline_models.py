@@ -1,4 +1,5 @@
-"""Models that need no network: a seeded random tiny Llama, and SmolLM2-135M-Instruct from a pip package."""
+"""Models that need no network: the byte-level tokenizer of random-weight models, and SmolLM2-135M-Instruct
+from a pip package."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kvbench.errors import ConfigError
 
@@ -55,32 +56,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
-
-
-def tiny_random(cfg):
-    """A Llama-architecture model (RoPE, GQA) with random weights from ``cfg.seed``; scores are meaningless."""
-    tokenizer = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_length,
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        attn_implementation=cfg.attn_implementation,
-    )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.seed)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    return model, tokenizer
 
 
 def smollm2_gguf_path() -> Path:

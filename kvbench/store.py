@@ -71,9 +71,14 @@ def write_run(
             path.write_text(text, encoding="utf-8")
         (tmp / FINISHED_MARKER).write_text(json.dumps(meta, indent=2, default=str))
         final = run_dir(root, rid)
-        if final.exists():  # a half-published or stale directory from a crashed run: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another job finished the same point first (e.g. a requeued job and its resubmission): a published
+            # run is never replaced, so readers never see it vanish; ours is discarded.
+            if not is_finished(root, rid):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -59,6 +59,10 @@ NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF="$dir/slurm.conf"
+    # daemons left by an earlier cluster (a crashed test run) would hold the ports: this is a test cluster
+    pkill -x slurmctld 2>/dev/null || true
+    pkill -x slurmd 2>/dev/null || true
+    sleep 1
     slurmctld -c
     slurmd -c
     for _ in $(seq 60); do
@@ -80,7 +84,12 @@ stop)
             kill "$(cat "$dir/$daemon.pid")" 2>/dev/null || true
         fi
     done
-    sleep 1
+    sleep 2
+    # job steps that ignored the cancel, and daemons that outlived their pid files
+    pkill -9 -x slurmstepd 2>/dev/null || true
+    for daemon in slurmd slurmctld; do
+        [ -s "$dir/$daemon.pid" ] && kill -9 "$(cat "$dir/$daemon.pid")" 2>/dev/null || true
+    done
     ;;
 *)
     echo "usage: $0 install|start DIR|stop DIR" >&2

@@ -38,12 +38,13 @@ def test_byte_tokenizer_round_trips_any_text():
     assert tok.decode(ids, skip_special_tokens=True) == text
 
 
-def test_tiny_random_is_seeded(tiny_model):
-    from kvbench.offline_models import tiny_random
+def test_random_weights_are_seeded(tiny_model):
+    from kvbench.models import random_weights
 
-    again, _ = tiny_random(tiny_model_config())
+    cpu = torch.device("cpu")
+    again, _ = random_weights(tiny_model_config(), torch.float32, cpu)
     assert torch.equal(again.model.embed_tokens.weight, tiny_model.model.embed_tokens.weight)
-    other, _ = tiny_random(tiny_model_config(seed=99))
+    other, _ = random_weights(tiny_model_config(seed=99), torch.float32, cpu)
     assert not torch.equal(other.model.embed_tokens.weight, tiny_model.model.embed_tokens.weight)
 
 

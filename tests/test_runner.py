@@ -87,3 +87,15 @@ def test_cli_rejects_unknown_names_in_one_line(tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("kvbench: error:")]
         assert len(errors) == 1 and needle in errors[0]
     assert store.finished_runs(tmp_path) == []
+
+
+def test_a_published_run_is_never_replaced_by_a_second_writer(tmp_path):
+    """Two jobs finishing the same point (a requeued job and its resubmission): the first stays published."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"x": [1]})
+    first = store.write_run(tmp_path, "abc", "a: 1", frame, frame, {"writer": 1})
+    second = store.write_run(tmp_path, "abc", "a: 1", frame, frame, {"writer": 2})
+    assert first == second
+    assert json.loads((first / "meta.json").read_text()) == {"writer": 1}
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["abc"]  # the loser's temp dir is gone

@@ -111,7 +111,7 @@ def test_killed_job_is_redone_on_resubmission_and_finished_points_are_not(slurm_
     again = subprocess.run(sweep_command(tmp_path, *slow), env=slurm_env, cwd=REPO, capture_output=True,
                            text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert store.is_finished(tmp_path, victim["run_id"])
+    assert store.is_finished(tmp_path, victim["run_id"]), (store.run_states(tmp_path), again.stderr[-3000:])
     for name, mtime in finished.items():
         assert (tmp_path / "runs" / name / "meta.json").stat().st_mtime_ns == mtime, "finished point redone"
     assert len(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"].unique()) == 3
