@@ -101,11 +101,10 @@ class Session:
         return logits
 
     def _observe_and_compress(self, compress: bool) -> None:
-        engine, cache, method = self.engine, self.cache, self.engine.method
         start = time.perf_counter()
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             self._observe_and_compress_layers(compress)
-        _sync(engine.device)
+        _sync(self.engine.device)
         self.decode_compress_seconds += time.perf_counter() - start
 
     def _observe_and_compress_layers(self, compress: bool) -> None:
