@@ -64,7 +64,7 @@ class PyramidKV(SnapKV):
             bottom = torch.where(capped, prompt - self.window, bottom)
             top = torch.where(capped, 2 * spare - bottom, top)
             pyramid &= n_keep.to(prompt) < prompt  # a budget covering the prompt keeps every layer whole
-        depth = torch.linspace(0, 1, num_layers, dtype=torch.float64).view(-1, 1)  # (L, 1)
+        depth = torch.linspace(0, 1, num_layers, dtype=torch.float64, device=spare.device).view(-1, 1)  # (L, 1)
         budgets = self.window + bottom + (top - bottom) * depth  # (L, B)
         budgets = torch.where(pyramid, budgets, n_keep.to(budgets))
         return round_to_total(budgets, n_keep * num_layers).to(n_keep)

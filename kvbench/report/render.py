@@ -19,6 +19,8 @@ UNITS = {"_bytes": (2.0**-30, "GiB"), "_seconds": (1000.0, "ms")}
 
 def unit_of(column: str) -> tuple[float, str]:
     metric = column.partition("/")[2]
+    if metric.startswith("ratio."):  # ratios of times or bytes are plain numbers
+        return 1.0, ""
     return next(((f, u) for end, (f, u) in UNITS.items() if metric.endswith(end)), (1.0, ""))
 
 

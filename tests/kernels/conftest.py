@@ -42,21 +42,27 @@ CPU_TENSOR_TESTS = {"test_auto_runs_torch_on_cpu", "test_triton_on_cpu_without_i
 def pytest_collection_modifyitems(config, items):
     if MODE != "cuda":
         return
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("KVBENCH_KERNEL_TESTS=cuda needs a CUDA device")
     skip = pytest.mark.skip(reason="asserts CPU-tensor dispatch; covered by the interpret mode")
     for item in items:
         if item.originalname in CPU_TENSOR_TESTS:
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def kernel_device():
+# Modules whose code places tensors itself: the engine follows the model (built on the GPU below), the
+# benchmark its --device. A CUDA default device would only move their deliberate CPU tensors (D2O's budget
+# table, the benchmark's CPU generator) and break them.
+OWN_DEVICE_MODULES = {"test_methods_backends", "test_bench"}
+
+
+@pytest.fixture(autouse=True)
+def kernel_device(request):
     """In cuda mode: CUDA default device, and ``torch.Generator()`` on it (the tests seed CPU-style
-    generators, which torch refuses for CUDA tensors); restored after the session."""
-    if MODE != "cuda":
-        yield "cpu"
+    generators, which torch refuses for CUDA tensors); restored after each test."""
+    if MODE != "cuda" or request.module.__name__.rsplit(".", 1)[-1] in OWN_DEVICE_MODULES:
+        yield
         return
-    if not torch.cuda.is_available():
-        pytest.exit("KVBENCH_KERNEL_TESTS=cuda needs a CUDA device", returncode=2)
     generator_class = torch.Generator
 
     def generator_on_default_device(device=None):
@@ -65,16 +71,16 @@ def kernel_device():
     torch.set_default_device("cuda")
     torch.Generator = generator_on_default_device
     try:
-        yield "cuda"
+        yield
     finally:
         torch.Generator = generator_class
-        torch.set_default_device("cpu")
+        torch.set_default_device(None)  # no default-device mode at all ("cpu" would leave one in place)
 
 
 if MODE == "cuda":
 
     @pytest.fixture(scope="session")
-    def tiny_lm(kernel_device):
+    def tiny_lm():
         """The shared tiny model, built on the GPU (the parent conftest builds it on the CPU)."""
         from kvbench import models
         from tests.conftest import tiny_model_config

@@ -77,7 +77,8 @@ def test_ragged_attention_same_with_either_backend(shape):
         out_ref, stats_ref = ragged_attention(*args, **kwargs)
     with use_backend("triton"):
         out, stats = ragged_attention(*args, **kwargs)
-    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    # logits reach ~100 (scale 8): fp32 sums in another order differ by up to ~1.4e-5 on a GPU (seen on H200)
+    torch.testing.assert_close(out, out_ref, atol=5e-5, rtol=1e-5)
     assert stats.keys() == stats_ref.keys() == {"column_sums", "window_column_sums", "step_attention"}
     for name, ref in stats_ref.items():
         torch.testing.assert_close(stats[name], ref, atol=1e-4, rtol=1e-4, msg=name)
