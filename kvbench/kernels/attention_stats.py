@@ -23,6 +23,29 @@ def attention_mask(key_valid: Tensor, key_pos: Tensor, query_pos: Tensor) -> Ten
     return key_ok & (key_pos.unsqueeze(2) <= q) & (q >= 0)
 
 
+def window_queries(query_pos: Tensor, window: int) -> Tensor:
+    """(B, Q) bool: the last ``window`` queries of the pass (padding is on the left, so these are the newest;
+    padding queries among them attend to nothing and so add nothing)."""
+    Q = query_pos.shape[1]
+    return (torch.arange(Q, device=query_pos.device) >= Q - window).view(1, Q).expand_as(query_pos)
+
+
+def chunk_logits(
+    query: Tensor, k_rep: Tensor, key_valid: Tensor, key_pos: Tensor, query_pos: Tensor, scaling: float,
+    start: int, stop: int, bias: Tensor | None = None,
+) -> Tensor:
+    """(B, H_q, c, T) float32 logits of queries [start, stop); -inf where masked.
+
+    k_rep: (B, H_q, T, D) float32 keys repeated to the query heads (made once per call, not per chunk);
+    bias: optional (B, H_q, 1, T) per-slot logit bias."""
+    group = query.shape[1] // key_valid.shape[1]
+    mask = attention_mask(key_valid, key_pos, query_pos[:, start:stop]).repeat_interleave(group, dim=1)
+    logits = torch.matmul(query[:, :, start:stop].float(), k_rep.transpose(-1, -2)) * scaling
+    if bias is not None:
+        logits = logits + bias
+    return logits.masked_fill(~mask, float("-inf"))
+
+
 def ragged_attention(
     query: Tensor,
     keys: Tensor,
@@ -55,9 +78,7 @@ def ragged_attention(
     B, Hq, Q, D = query.shape
     Hkv, T = keys.shape[1], keys.shape[2]
     group = Hq // Hkv
-    n_real = (query_pos >= 0).sum(-1)  # (B,)
-    # rank of each query counted from the end among real queries (left padding comes first)
-    from_end = n_real.view(B, 1) - 1 - (torch.arange(Q, device=query.device).view(1, Q) - (Q - n_real.view(B, 1)))
+    in_window = window_queries(query_pos, window)
     out = None if values is None else query.new_empty(B, Hq, Q, values.shape[-1])
     col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums or want_step else None
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
@@ -66,12 +87,7 @@ def ragged_attention(
     v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
     for start in range(0, Q, chunk):
         stop = min(Q, start + chunk)
-        mask = attention_mask(key_valid, key_pos, query_pos[:, start:stop])  # (B, Hkv, c, T)
-        mask = mask.repeat_interleave(group, dim=1)
-        logits = torch.matmul(query[:, :, start:stop].float(), k_rep.transpose(-1, -2)) * scaling
-        if bias is not None:
-            logits = logits + bias
-        logits = logits.masked_fill(~mask, float("-inf"))
+        logits = chunk_logits(query, k_rep, key_valid, key_pos, query_pos, scaling, start, stop, bias)
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries -> 0
         if out is not None:
             out[:, :, start:stop] = torch.matmul(probs, v_rep).to(out.dtype)
@@ -79,8 +95,7 @@ def ragged_attention(
         if col is not None:
             col += grouped.sum(2)
         if win is not None:
-            in_window = (from_end[:, start:stop] < window) & (from_end[:, start:stop] >= 0)
-            win += (grouped * in_window.view(B, 1, -1, 1)).sum(2)
+            win += (grouped * in_window[:, start:stop].view(B, 1, -1, 1)).sum(2)
     stats: dict[str, Tensor] = {}
     if want_column_sums:
         stats["column_sums"] = col

@@ -17,23 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvbench.kernels.attention_stats import attention_mask
+from kvbench.kernels.attention_stats import chunk_logits, window_queries
 from kvbench.kernels.dispatch import use_triton
-
-
-def window_queries(query_pos: Tensor, window: int) -> Tensor:
-    """(B, Q) bool: the last ``window`` queries of the pass (padding is on the left, so these are the newest)."""
-    Q = query_pos.shape[1]
-    return (torch.arange(Q, device=query_pos.device) >= Q - window).view(1, Q).expand_as(query_pos)
-
-
-def _chunk_logits(query: Tensor, keys: Tensor, key_valid, key_pos, query_pos, scaling, start, stop) -> Tensor:
-    """(B, H_q, c, T) float32 masked logits of queries [start, stop); -inf where masked."""
-    group = query.shape[1] // keys.shape[1]
-    mask = attention_mask(key_valid, key_pos, query_pos[:, start:stop]).repeat_interleave(group, dim=1)
-    k_rep = keys.float().repeat_interleave(group, dim=1)
-    logits = torch.matmul(query[:, :, start:stop].float(), k_rep.transpose(-1, -2)) * scaling
-    return logits.masked_fill(~mask, float("-inf"))
 
 
 def attention_lse(
@@ -52,10 +37,11 @@ def attention_lse(
     group = Hq // keys.shape[1]
     out = None if values is None else query.new_empty(B, Hq, Q, values.shape[-1])
     lse = query.new_empty(B, Hq, Q, dtype=torch.float32)
+    k_rep = keys.float().repeat_interleave(group, dim=1)
     v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
     for start in range(0, Q, chunk):
         stop = min(Q, start + chunk)
-        logits = _chunk_logits(query, keys, key_valid, key_pos, query_pos, scaling, start, stop)
+        logits = chunk_logits(query, k_rep, key_valid, key_pos, query_pos, scaling, start, stop)
         lse[:, :, start:stop] = torch.logsumexp(logits, dim=-1)
         if out is not None:
             probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
@@ -82,11 +68,12 @@ def column_sums_from_lse(
     Hkv, T = keys.shape[1], keys.shape[2]
     group = Hq // Hkv
     in_window = window_queries(query_pos, window)
+    k_rep = keys.float().repeat_interleave(group, dim=1)
     col = query.new_zeros(B, Hkv, T, dtype=torch.float32)
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
     for start in range(0, Q, chunk):
         stop = min(Q, start + chunk)
-        logits = _chunk_logits(query, keys, key_valid, key_pos, query_pos, scaling, start, stop)
+        logits = chunk_logits(query, k_rep, key_valid, key_pos, query_pos, scaling, start, stop)
         probs = torch.exp(logits - lse[:, :, start:stop, None]).nan_to_num(0.0)  # padding: -inf - -inf
         grouped = probs.view(B, Hkv, group, stop - start, T).mean(2)  # (B, Hkv, c, T)
         col += grouped.sum(2)
