@@ -314,12 +314,7 @@ class Engine:
 
     @staticmethod
     def cache_row_bytes(cache: CompressedCache, b: int) -> int:
-        total = 0
-        for layer in cache.layers:
-            kv = layer.kv
-            per_slot = kv.keys.shape[-1] * (kv.keys.element_size() + kv.values.element_size())
-            total += int(kv.lengths[b].sum()) * per_slot
-        return total
+        return sum(layer.kv.nbytes(b) for layer in cache.layers)
 
     @staticmethod
     def _row_share(layer_bytes: list[int], b: int, prompts: list[list[int]]) -> int:

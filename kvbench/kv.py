@@ -125,10 +125,11 @@ class LayerKV:
         amount = amount.float()
         self.state[name] = self.state[name] + amount if name in self.state else amount.clone()
 
-    def nbytes(self) -> int:
-        """Bytes of K and V in real slots (the logical cache size)."""
-        per_slot = self.keys.shape[-1] * (self.keys.element_size() + self.values.element_size())
-        return int(self.lengths.sum()) * per_slot
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes of K and V in real slots (the logical cache size), of every row or of batch row ``row``."""
+        per_slot = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        lengths = self.lengths if row is None else self.lengths[row]
+        return int(lengths.sum()) * per_slot
 
     def allocated_bytes(self) -> int:
         """Bytes of the K and V tensors as allocated (padding included)."""
