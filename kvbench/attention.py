@@ -3,16 +3,23 @@
 No modeling file is copied and no forward is patched: ``attach`` registers ``kvbench_<impl>`` (wrapping the
 configured implementation: eager, sdpa or flash_attention_2) and switches the model to it for the duration
 of a ``with`` block. The function receives the ``CompressedCache`` through the ``kvbench_cache`` keyword,
-which the engine passes to the model's forward and transformers forwards to attention.
+which the engine passes to the model's forward and transformers forwards to attention. No attention mask is
+registered for it, so transformers builds none: every pass kvbench runs is unpadded (the engine prefills one
+row at a time) and the paths below know their masking rule.
 
-Paths, chosen per layer and pass:
-- the first pass over an empty cache (prefill) runs the wrapped implementation with transformers' own mask,
-  so the full-cache method is numerically identical to plain ``generate``;
-- a pass over a cache whose rows are all full and aligned runs the wrapped implementation unmasked (decode);
-- anything ragged (compressed per-head lengths, batch rows of different lengths), or a cache whose method
-  keeps a per-slot ``logit_bias`` state (log-degree of merged slots), runs ``ragged_attention`` with a
-  per-head mask built from stored positions and the bias added to the logits;
-- statistics the method declared are computed by ``ragged_attention`` without materialising n x n.
+Paths, chosen per layer and pass from the cache's host mirror (never from a device value):
+- the prompt pass over an empty layer runs the wrapped implementation, causally, so the full-cache method is
+  numerically identical to plain ``generate``; when the method wants statistics, the forward comes from an
+  attention that also returns the log-sum-exp (FlashAttention's own on CUDA) and the statistics from one
+  column-sum pass over Q and K with that lse: never a second attention;
+- a one-query pass over rows of one common length, with no statistics and no per-slot bias, runs the wrapped
+  implementation over the first ``length`` slots (decode as plain ``generate`` does it);
+- any other one-query pass runs ``decode_attention`` (split-K over the storage, per-row lengths, optional
+  per-slot ``logit_bias``, step attention from the same pass), over the whole capacity while a CUDA graph is
+  captured;
+- a pass of several queries over a non-empty cache (a suffix, a prompt chunk, a teacher-forced chunk) runs
+  ``ragged_attention`` with the causal rule on stored positions.
+After the attention, the engine's ``after_layer`` hook (per-layer prompt compression) runs if it set one.
 """
 
 from __future__ import annotations
@@ -20,21 +27,30 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench.cache import CompressedCache, CompressedLayer, PassPlan
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.column_sums import causal_attention_lse, column_sums_from_lse
+from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kv import LOGIT_BIAS, AttentionStats
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+# Statistics the attention computes; raw_keys come from the stored keys when the method compresses.
+ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention"})
 
 
 def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
+    if attention_mask is None and query.shape[2] > 1:  # eager has no is_causal: the prompt pass needs a mask
+        q = query.shape[2]
+        attention_mask = torch.full((q, q), torch.finfo(query.dtype).min, dtype=query.dtype,
+                                    device=query.device).triu(1)[None, None]
     return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
 
 
@@ -46,49 +62,73 @@ def _base_function(impl: str):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, kwargs):
+    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics."""
+    wanted = plan.wanted & ATTENTION_STATS
+    if not wanted:
+        output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
+        return output, {}
+    output, lse = causal_attention_lse(query, key, value, scaling)
+    B, _, Q, _ = query.shape
+    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
+    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
+    q, q_lse, q_pos = query, lse, plan.query_positions
+    if not wanted & {"column_sums", "step_attention"}:  # only the last `window` queries matter: skip the rest
+        q, q_lse, q_pos = query[:, :, -plan.window:], lse[:, :, -plan.window:], q_pos[:, -plan.window:]
+    col, win = column_sums_from_lse(q, key, q_lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
+    stats = {"window_column_sums": win} if win is not None else {}
+    if "column_sums" in wanted:
+        stats["column_sums"] = col
+    if "step_attention" in wanted:
+        stats["step_attention"] = col
+    return output.transpose(1, 2).contiguous(), stats
+
+
+def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan: PassPlan, kwargs):
+    """A pass over a layer that already holds tokens (this pass's tokens are written into it)."""
+    kv = layer.kv
+    wanted = plan.wanted & ATTENTION_STATS
+    bias = kv.state.get(LOGIT_BIAS)
+    q = query.shape[2]
+    if q == 1:
+        aligned = None if plan.static_shapes else layer.aligned_length()
+        if aligned is not None and bias is None and not wanted:
+            output, _ = base(module, query, kv.keys[:, :, :aligned], kv.values[:, :, :aligned], None,
+                             scaling=scaling, **kwargs)
+            return output, {}
+        span = kv.capacity if plan.static_shapes else layer.longest
+        output, step = decode_attention(query, kv.keys, kv.values, kv.lengths, kv.positions, plan.query_positions,
+                                        scaling, span, want_step="step_attention" in wanted, key_bias=bias)
+        return output.transpose(1, 2), {} if step is None else {"step_attention": step}
+    t = layer.longest
+    valid = torch.arange(t, device=query.device).view(1, 1, -1) < kv.lengths.unsqueeze(-1)
+    output, stats = ragged_attention(
+        query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
+        scaling, window=plan.window if "window_column_sums" in wanted else 0,
+        want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
+        key_bias=None if bias is None else bias[:, :, :t],
+    )
+    pad = kv.capacity - t  # statistics are aligned with the whole storage the method receives
+    return output.transpose(1, 2).contiguous(), {name: F.pad(s, (0, pad)) for name, s in stats.items()}
+
+
 def _make_attention(impl: str):
     base = _base_function(impl)
 
     def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cache = kwargs.pop("kvbench_cache", None)
+        cache: CompressedCache | None = kwargs.pop("kvbench_cache", None)
         scaling = module.scaling if scaling is None else scaling
         if cache is None:
             return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer_idx = module.layer_idx
+        layer_idx, plan = module.layer_idx, cache.plan
         layer = cache.layers[layer_idx]
-        kv = layer.kv
-        wanted = cache.wanted_stats
-        query_pos = cache.pending_positions
-        t = kv.max_length
-        key_valid, key_pos = kv.valid()[:, :, :t], kv.positions[:, :, :t]
-        aligned = bool((kv.lengths == t).all())
-        no_padding = bool((query_pos >= 0).all())
-        stats: dict = {}
-        bias = kv.state.get(LOGIT_BIAS)
-        if layer.fresh or (aligned and no_padding and query.shape[2] == 1 and not wanted and bias is None):
-            mask = attention_mask if layer.fresh else None
-            output, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
-            if wanted - {"raw_keys"}:
-                q, q_pos = query, query_pos
-                if wanted & {"column_sums", "step_attention"} == set() and cache.window > 0:
-                    # only the last `window` queries matter (left padding keeps them real): skip the rest
-                    q, q_pos = query[:, :, -cache.window:], query_pos[:, -cache.window:]
-                _, stats = ragged_attention(
-                    q, key, None, key_valid, key_pos, q_pos, scaling,
-                    window=cache.window, want_column_sums="column_sums" in wanted,
-                    want_step="step_attention" in wanted,
-                )
+        if layer.fresh:
+            output, stats = _prompt_attention(base, module, query, key, value, scaling, plan, kwargs)
         else:
-            output, stats = ragged_attention(
-                query, key, value, key_valid, key_pos, query_pos, scaling,
-                window=cache.window if "window_column_sums" in wanted else 0,
-                want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
-                key_bias=None if bias is None else bias[:, :, :t],
-            )
-            output = output.transpose(1, 2).contiguous()
-        n_real = (query_pos >= 0).sum(-1)
-        # stats cover the first t slots; align them with the whole storage the method will receive
-        cache.pass_stats[layer_idx] = AttentionStats(num_queries=n_real, **stats).aligned(kv.capacity)
+            output, stats = _cached_attention(base, module, query, layer, scaling, plan, kwargs)
+        cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)
+        if plan.after_layer is not None:
+            plan.after_layer(layer_idx)
         return output, None
 
     return kvbench_attention
@@ -98,8 +138,6 @@ def _register(impl: str) -> str:
     name = f"kvbench_{impl}"
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, _make_attention(impl))
-        mask_impl = "sdpa" if impl == "sdpa" else impl
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_impl])
     return name
 
 

@@ -1,12 +1,22 @@
 """A transformers ``Cache`` whose layers hold ragged per-head compressed storage (``LayerKV``).
 
 The model writes through ``Cache.update`` as usual; the kvbench attention function (``kvbench.attention``)
-reads the per-head lengths and positions from here to mask padding, and leaves the statistics the method
-asked for in ``pass_stats``. The engine compresses between forward passes.
+reads the layer's storage from here, and leaves the statistics the method asked for in ``pass_stats``.
+
+Storage has a fixed capacity per layer (allocated once per batch, for the budget plus the slots decoding adds
+before the next compression), new tokens are written in place, and the host keeps a mirror of every row's
+length (``host_lengths``): every shape decision of a decode step (capacity, longest row, whether all rows are
+aligned) is made on the host from the mirror, so a decode step never waits for the device. The mirror is
+updated arithmetically on every write and in-place removal, and read back from the device once per
+compression call that can change lengths in a data-dependent way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from collections.abc import Callable
+
+import numpy as np
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -14,44 +24,86 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.kv import AttentionStats, LayerKV
 
 
+@dataclass
+class PassPlan:
+    """What the engine asks of one forward pass, set on the cache before the pass.
+
+    query_positions: (B, q) original index of every input token.
+    num_queries:     (B,) real queries of the pass (every token: kvbench's passes carry no padding).
+    wanted:          statistics the method declared for this pass (``kvbench.kv.STAT_NAMES``).
+    window:          queries behind ``window_column_sums``.
+    after_layer:     called with the layer index right after its attention (per-layer prompt compression).
+    static_shapes:   no host-known length may shape a kernel (a CUDA graph is being captured).
+    """
+
+    query_positions: Tensor
+    num_queries: Tensor
+    wanted: frozenset[str] = frozenset()
+    window: int = 0
+    after_layer: Callable[[int], None] | None = None
+    static_shapes: bool = False
+
+
 class CompressedLayer(CacheLayerMixin):
-    """One layer: a ``LayerKV`` plus what the attention function needs about the current pass."""
+    """One layer: a ``LayerKV`` plus the host mirror of its row lengths."""
 
     is_sliding = False
 
     def __init__(self) -> None:
         super().__init__()
         self.kv: LayerKV | None = None
-        self.fresh = True  # no tokens were cached before the current pass
+        self.host_lengths: np.ndarray | None = None  # (B, H) int64, equal to kv.lengths at all times
+        self.fresh = True  # the current pass is the first over this layer (its prompt pass)
+        self.ordered = True  # real slots are in original-token order (in-place removals break it)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        B, H, _, D = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.kv = LayerKV(
-            keys=key_states.new_zeros(B, H, 0, D),
-            values=value_states.new_zeros(B, H, 0, value_states.shape[-1]),
-            positions=torch.zeros(B, H, 0, dtype=torch.long, device=key_states.device),
-            lengths=torch.zeros(B, H, dtype=torch.long, device=key_states.device),
-        )
         self.is_initialized = True
 
-    def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.fresh = self.kv.max_length == 0
-        if self.fresh:  # first write: adopt the tensors as they are (no copy)
-            B, H, q, _ = key_states.shape
-            self.kv = LayerKV(
-                keys=key_states,
-                values=value_states,
-                positions=positions.view(B, 1, q).expand(B, H, q).clone(),
-                lengths=torch.full((B, H), q, dtype=torch.long, device=key_states.device),
-            )
+    def adopt(self, kv: LayerKV, host_lengths: np.ndarray | None = None) -> None:
+        """Install ``kv`` as this layer's storage; ``host_lengths`` if the caller knows them (else one read)."""
+        self.kv = kv
+        self.host_lengths = kv.lengths.cpu().numpy().copy() if host_lengths is None else host_lengths
+        self.ordered = True
+
+    @property
+    def longest(self) -> int:
+        return int(self.host_lengths.max()) if self.host_lengths.size else 0
+
+    def aligned_length(self) -> int | None:
+        """The common length of every row, or None when rows differ (host mirror, no device read)."""
+        if not self.host_lengths.size:
+            return 0
+        t = int(self.host_lengths.flat[0])
+        return t if bool((self.host_lengths == t).all()) else None
+
+    def write(self, key_states: Tensor, value_states: Tensor, positions: Tensor, static_shapes: bool) -> None:
+        """Write the pass's q new tokens. The first pass adopts the tensors as they are (no copy)."""
+        self.fresh = self.kv is None
+        B, H, q, _ = key_states.shape
+        if self.fresh:
+            self.kv = LayerKV(keys=key_states, values=value_states,
+                              positions=positions.view(B, 1, q).expand(B, H, q).clone(),
+                              lengths=torch.full((B, H), q, dtype=torch.long, device=key_states.device))
+            self.host_lengths = np.full((B, H), q, dtype=np.int64)
+            return
+        if self.longest + q > self.kv.capacity:
+            self.grow(self.longest + q)
+        start = self.aligned_length()
+        if start is not None and not static_shapes:
+            self.kv.write_aligned(start, key_states, value_states, positions)
         else:
-            self.kv.append(key_states, value_states, positions)
-        t = self.kv.max_length
-        self.keys, self.values = self.kv.keys[:, :, :t], self.kv.values[:, :, :t]
-        return self.keys, self.values
+            self.kv.write(key_states, value_states, positions)
+        self.host_lengths += q
+
+    def grow(self, capacity: int) -> None:
+        """Re-allocate at ``capacity`` slots (geometric, so a cache that outgrows its plan is copied rarely)."""
+        self.kv.resize(max(capacity, self.kv.capacity + self.kv.capacity // 2))
+
+    def removed_one(self) -> None:
+        """Mirror of ``LayerKV.remove_slot``: every row lost one slot."""
+        self.host_lengths -= 1
+        self.ordered = False
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         raise RuntimeError("CompressedLayer is written through CompressedCache.update, which knows the positions")
@@ -60,56 +112,37 @@ class CompressedLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.kv is None else self.kv.max_length
+        return 0 if self.kv is None else self.longest
 
     def get_max_length(self) -> int:
         return -1
 
 
 class CompressedCache(Cache):
-    """Cache of ``num_layers`` compressed layers.
-
-    Before each forward pass the engine sets ``pending_positions`` (B, q): the original index of every input
-    token (-1 for padding) and ``wanted_stats``/``window``: what the attention function must measure.
-    """
+    """Cache of ``num_layers`` compressed layers. Before each forward pass the engine sets ``plan``."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[CompressedLayer() for _ in range(num_layers)])
-        self.pending_positions: Tensor | None = None
-        self.wanted_stats: frozenset[str] = frozenset()
-        self.window = 0
+        self.plan: PassPlan | None = None
         self.pass_stats: list[AttentionStats] = [AttentionStats() for _ in range(num_layers)]
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        if self.pending_positions is None:
-            raise RuntimeError("CompressedCache: the engine must set pending_positions before a forward pass")
-        return self.layers[layer_idx].append(key_states, value_states, self.pending_positions)
+        if self.plan is None:
+            raise RuntimeError("CompressedCache: the engine must set a PassPlan before a forward pass")
+        layer = self.layers[layer_idx]
+        layer.write(key_states, value_states, self.plan.query_positions, self.plan.static_shapes)
+        return layer.kv.keys, layer.kv.values
 
     def kv(self, layer_idx: int) -> LayerKV:
         return self.layers[layer_idx].kv
 
     def set_kv(self, layer_idx: int, kv: LayerKV) -> None:
-        layer = self.layers[layer_idx]
-        layer.kv = kv
-        t = kv.max_length
-        layer.keys, layer.values = kv.keys[:, :, :t], kv.values[:, :, :t]
-
-    def drop_padding(self) -> None:
-        """Remove slots of padding tokens (position < 0) and left-align every row."""
-        for i in range(len(self.layers)):
-            kv = self.kv(i)
-            real = kv.valid() & (kv.positions >= 0)
-            if bool(real.all()):
-                continue
-            lengths = real.sum(-1)
-            # stable order: real slots first, in their original order
-            order = (~real).to(torch.int8).argsort(dim=-1, stable=True)[..., : int(lengths.max())]
-            self.set_kv(i, kv.gather(order, lengths))
-            self.pass_stats[i] = self.pass_stats[i].aligned(int(lengths.max()), order)
+        """Install a method's compressed cache (a functional ``compress`` result) as the layer's storage."""
+        self.layers[layer_idx].adopt(kv)
 
     def lengths(self) -> Tensor:
-        """(L, B, H) real slots per layer and head."""
-        return torch.stack([layer.kv.lengths for layer in self.layers])
+        """(L, B, H) real slots per layer and head (from the host mirror: no device read)."""
+        return torch.from_numpy(np.stack([layer.host_lengths for layer in self.layers]))
 
     def nbytes(self) -> int:
         return sum(layer.kv.nbytes() for layer in self.layers)

@@ -1,32 +1,47 @@
-"""The engine: runs a HF causal LM through a ``CompressedCache`` and calls the method between passes.
+"""The engine: runs a HF causal LM through a ``CompressedCache`` and calls the method at the right moments.
 
-    session = engine.prefill(prompts, max_new_tokens)   # prompt pass, then prefill compression
-    session.feed(tokens)                                # suffix / teacher-forced / decode passes
-    engine.generate(prompts, ...)                       # greedy decoding on top of the two
+    session = engine.prefill(prompts, max_new_tokens, suffixes)  # prompt passes, compression, suffixes
+    session.feed(tokens)                                         # teacher-forced / decode passes
+    engine.generate(prompts, ...)                                # greedy decoding on top of the two
 
-Batches are left-padded for the prompt pass; padding slots are dropped right after it, so rows are ragged
-from then on and every row is computed exactly as it would be alone.
+Prefill runs one row at a time, so no pass ever carries padding and a batch gives exactly the outputs of its
+rows alone. A row's prompt runs in one pass (or in ``prefill_chunk_size`` chunks); a method whose layer
+budgets need no statistics compresses each layer right after that layer's attention (inside the forward),
+so the uncompressed prompt cache of a layer is freed before the next layer runs; a method whose budgets
+depend on every layer's statistics (``Method.budget_needs``, D2O) compresses after the pass. The suffix (the
+question in query-agnostic mode) follows, uncompressed. The rows' caches are then copied into the batch's
+static-capacity storage (budget plus the slots decoding adds before the next compression).
+
+Decode steps make every shape decision on the host (``CompressedLayer.host_lengths``); methods that evict
+one slot per step (``Method.evict_one``) do it in place, so a step is a fixed sequence of kernels that never
+waits for the device (``engine.cuda_graphs`` replays it as one CUDA graph, ``kvbench.graphs``). Everything
+else (multi-token passes, decode intervals > 1, rows over budget by more than one slot) runs the method's
+``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it).
 """
 
 from __future__ import annotations
 
 import resource
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvbench.attention import attach, unrotate_keys
 from kvbench.budget import Budget
-from kvbench.cache import CompressedCache
+from kvbench.cache import CompressedCache, PassPlan
 from kvbench.errors import ConfigError
-from kvbench.kv import AttentionStats
+from kvbench.kv import AttentionStats, LayerKV
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
 
 POSITION_MODES = ("original", "cache_length")
+DECODE_PATHS = ("in_place", "compress")
 
 
 def _sync(device: torch.device) -> None:
@@ -41,6 +56,35 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class DeviceTimer:
+    """Seconds spent in named sections, without synchronising inside them: CUDA sections are bracketed by
+    events read once in ``seconds`` (after the work is done), CPU sections by the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.events: dict[str, list] = defaultdict(list)
+        self.host: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def section(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events[name].append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.host[name] += time.perf_counter() - t0
+
+    def seconds(self, name: str) -> float:
+        pairs = self.events.pop(name, [])
+        if pairs:
+            pairs[-1][1].synchronize()
+        return self.host.pop(name, 0.0) + sum(s.elapsed_time(e) for s, e in pairs) / 1000
+
+
 @dataclass
 class Generation:
     """One sample's output and its measurements."""
@@ -52,29 +96,48 @@ class Generation:
     kv_bytes_full: int  # K+V bytes of the uncompressed prompt cache
     kv_bytes_compressed: int  # after prefill compression
     kv_bytes_final: int  # at the end of generation
+    decode_kv_bytes_mean: float  # K+V bytes of the real slots attention read per decode step (mean over steps)
     prefill_seconds: float  # time to first token: prompt pass + prefill compression + suffix
     compress_seconds: float  # prefill compression alone (inside prefill_seconds)
     decode_seconds: float  # all decode steps, decode-time compression included
     decode_compress_seconds: float  # decode-time compression alone (inside decode_seconds)
     tpot_seconds: float  # decode time per generated token (one batched decode step)
     peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
+    peak_memory_above_weights_bytes: int  # the peak minus the model's parameters (CPU growth excludes them)
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
 
 
 @dataclass
 class Session:
-    """A batch's state in the compressed cache between passes."""
+    """A batch's state in the compressed cache between passes.
+
+    layer_n_keep / host_n_keep: (L, B) budgets on the device and on the host; next_index: (B,) original index
+    of each row's next token; prefill_lengths: (L, B, H) realized slots right after prefill compression."""
 
     engine: "Engine"
     cache: CompressedCache
-    next_index: Tensor  # (B,) original index of each row's next token
-    layer_n_keep: Tensor  # (L, B)
-    logits: Tensor | None = None  # (B, V) logits of the last real token of the last pass
+    next_index: Tensor
+    layer_n_keep: Tensor
+    host_n_keep: np.ndarray
+    logits: Tensor | None = None  # (B, V) logits of the last token of the last pass
     decode_steps: int = 0
-    prefill_lengths: Tensor | None = None  # (L, B, H) realized slots right after prefill compression
-    compress_seconds: float = 0.0  # prefill compression
-    decode_compress_seconds: float = 0.0
-    timings: dict = field(default_factory=dict)
+    prefill_lengths: Tensor | None = None
+    kv_bytes_full: list[int] = field(default_factory=list)  # per row
+    kv_bytes_compressed: list[int] = field(default_factory=list)  # per row, after prefill compression
+    timer: DeviceTimer | None = None
+    _seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @property
+    def compress_seconds(self) -> float:
+        """Prefill compression so far (reading it waits for the timed device work)."""
+        self._seconds["compress"] += self.timer.seconds("compress")
+        return self._seconds["compress"]
+
+    @property
+    def decode_compress_seconds(self) -> float:
+        """Decode-time observation and compression so far."""
+        self._seconds["decode_compress"] += self.timer.seconds("decode_compress")
+        return self._seconds["decode_compress"]
 
     def feed(self, tokens: Tensor, phase: str = "decode") -> Tensor:
         """Run ``tokens`` (B, q) through the model on top of the cache; returns logits (B, q, V).
@@ -86,41 +149,54 @@ class Session:
         """
         if phase not in ("decode", "extend"):
             raise ConfigError(f"unknown feed phase '{phase}'; accepted: decode, extend")
-        engine, cache = self.engine, self.cache
+        engine, method = self.engine, self.engine.method
         B, q = tokens.shape
         index = self.next_index.view(B, 1) + torch.arange(q, device=tokens.device)
-        observing = engine.method.compress_during_decode
-        cache.wanted_stats = engine.method.needed_stats("decode") if observing else frozenset()
-        cache.window = engine.method.window
-        logits = engine._forward(tokens, index, engine._rope_positions(cache, index), cache)
+        observing = method.compress_during_decode
+        plan = PassPlan(query_positions=index, num_queries=torch.full((B,), q, device=tokens.device),
+                        wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window)
+        logits = engine._forward(tokens, index, engine._rope_positions(self.cache, index), self.cache, plan)
         self.next_index = self.next_index + q
         self.logits = logits[:, -1]
         if observing:
             self.decode_steps += phase == "decode"
-            self._observe_and_compress(compress=phase == "decode")
+            with self.timer.section("decode_compress"):
+                self._observe_and_compress(compress=phase == "decode", q=q)
         return logits
 
-    def _observe_and_compress(self, compress: bool) -> None:
-        start = time.perf_counter()
-        with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
-            self._observe_and_compress_layers(compress)
-        _sync(self.engine.device)
-        self.decode_compress_seconds += time.perf_counter() - start
-
-    def _observe_and_compress_layers(self, compress: bool) -> None:
+    def _observe_and_compress(self, compress: bool, q: int) -> None:
         engine, cache, method = self.engine, self.cache, self.engine.method
-        for layer in range(len(cache.layers)):
-            stats = engine._with_raw_keys(cache, layer, cache.pass_stats[layer], method.decode_needs)
-            method.observe(layer, cache.kv(layer), stats)
-            n_keep = self.layer_n_keep[layer]
-            if compress and self.decode_steps % method.decode_interval == 0 and bool(
-                (cache.kv(layer).lengths > n_keep.view(-1, 1)).any()
-            ):
-                cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats, n_keep, "decode"))
+        due = compress and self.decode_steps % method.decode_interval == 0
+        in_place = (engine.decode_path == "in_place" and method.evicts_in_place and q == 1
+                    and method.decode_interval == 1)
+        with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
+            for index, layer in enumerate(cache.layers):
+                stats = engine._with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
+                method.observe(index, layer.kv, stats)
+                if not due:
+                    continue
+                excess = layer.host_lengths - self.host_n_keep[index][:, None]  # (B, H)
+                if not (excess > 0).any():
+                    continue
+                if in_place and (excess == 1).all():
+                    layer.kv.remove_slot(method.evict_one(index, layer.kv, stats, self.layer_n_keep[index]))
+                    layer.removed_one()
+                else:
+                    kv, stats = engine._ordered(layer, stats)
+                    cache.set_kv(index, method.compress(index, kv, stats, self.layer_n_keep[index], "decode"))
 
 
 class Engine:
-    """model + method + budget. ``attn_implementation`` is the wrapped implementation (eager/sdpa/flash)."""
+    """model + method + budget. ``attn_implementation`` is the wrapped implementation (eager/sdpa/flash).
+
+    prefill_chunk_size: run each prompt in chunks of this many tokens with compression between chunks (peak
+    memory follows the budget instead of the prompt); None = one pass. [I] With chunks, the method compresses
+    after every chunk, seeing for every cached slot its attention summed over all prompt queries so far
+    (``column_sums``) and the chunk's own last ``window`` queries (``window_column_sums``).
+    cuda_graphs: replay decode steps as CUDA graphs (``kvbench.graphs``).
+    decode_path: "in_place" (one slot evicted in place per step where the method can) or "compress" (the
+    method's functional ``compress`` every time: the reference the in-place path is tested against).
+    """
 
     def __init__(
         self,
@@ -129,86 +205,220 @@ class Engine:
         budget: Budget,
         attn_implementation: str = "sdpa",
         position_mode: str = "original",
+        prefill_chunk_size: int | None = None,
+        cuda_graphs: bool = False,
+        decode_path: str = "in_place",
     ) -> None:
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"unknown position_mode '{position_mode}'; accepted: {', '.join(POSITION_MODES)}")
+        if decode_path not in DECODE_PATHS:
+            raise ConfigError(f"unknown decode_path '{decode_path}'; accepted: {', '.join(DECODE_PATHS)}")
+        if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool) or
+                                               not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+            raise ConfigError(f"engine.prefill_chunk_size={prefill_chunk_size!r}; accepted: an integer >= 1 or null")
         self.model = model
         self.method = method
         self.budget = budget
         self.attn_implementation = attn_implementation
         self.position_mode = position_mode
+        self.prefill_chunk_size = prefill_chunk_size
+        self.decode_path = decode_path
         self.num_layers = model.config.num_hidden_layers
         self.device = next(model.parameters()).device
+        if cuda_graphs and self.device.type != "cuda":
+            raise ConfigError(f"engine.cuda_graphs=true needs a CUDA model; this one is on {self.device}")
+        self.cuda_graphs = cuda_graphs
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def with_method(self, method: Method, budget: Budget) -> "Engine":
+        """The same model and engine settings with another method and budget (reference systems)."""
+        return Engine(self.model, method, budget, self.attn_implementation, self.position_mode,
+                      self.prefill_chunk_size, self.cuda_graphs, self.decode_path)
 
     # -- passes ---------------------------------------------------------------------------------------
 
     def _rope_positions(self, cache: CompressedCache, index: Tensor) -> Tensor:
         """RoPE positions of new tokens: their original index, or (pos-shift style) the row's cache length."""
-        if self.position_mode == "original" or cache.kv(0) is None:
-            return index.clamp(min=0)
-        start = cache.lengths().amax(dim=(0, 2))  # (B,)
-        return start.view(-1, 1) + torch.arange(index.shape[1], device=index.device)
+        if self.position_mode == "original" or cache.layers[0].kv is None:
+            return index
+        start = cache.lengths().amax(dim=(0, 2))  # (B,) from the host mirror
+        return start.to(index.device, non_blocking=True).view(-1, 1) + torch.arange(index.shape[1],
+                                                                                     device=index.device)
 
     def _forward(self, tokens: Tensor, index: Tensor, rope_positions: Tensor, cache: CompressedCache,
-                 attention_mask: Tensor | None = None) -> Tensor:
-        cache.pending_positions = index
+                 plan: PassPlan, logits_to_keep: int = 0) -> Tensor:
+        cache.plan = plan
         with torch.inference_mode(), attach(self.model, self.attn_implementation):
-            out = self.model(
-                input_ids=tokens,
-                attention_mask=attention_mask,
-                position_ids=rope_positions,
-                past_key_values=cache,
-                use_cache=True,
-                kvbench_cache=cache,
-            )
+            out = self.model(input_ids=tokens, position_ids=rope_positions, past_key_values=cache, use_cache=True,
+                             kvbench_cache=cache, logits_to_keep=logits_to_keep)
         return out.logits
 
-    def _with_raw_keys(self, cache: CompressedCache, layer: int, stats, needs: frozenset[str]):
+    def _with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:
         if "raw_keys" in needs:
-            kv = cache.kv(layer)
             stats.raw_keys = unrotate_keys(self.model, kv.keys, kv.positions)
         return stats
 
-    def prefill(self, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int = 0) -> Session:
-        """Prompt pass over a left-padded batch, then prefill compression of every layer."""
+    @staticmethod
+    def _ordered(layer, stats: AttentionStats) -> tuple[LayerKV, AttentionStats]:
+        """The layer's cache in original-token order with padding cleared, and the statistics moved with it,
+        as ``Method.compress`` expects (in-place removals leave slots unordered and padding stale)."""
+        kv = layer.kv
+        if layer.ordered:
+            kv.zero_padding()
+            return kv, stats
+        key = torch.where(kv.valid(), kv.positions, torch.iinfo(kv.positions.dtype).max)
+        order = key.argsort(dim=-1, stable=True)
+        moved = stats.aligned(kv.capacity, order)
+        moved.raw_keys = None if stats.raw_keys is None else stats.raw_keys.gather(
+            2, order.unsqueeze(-1).expand_as(stats.raw_keys))
+        return kv.gather(order, kv.lengths), moved
+
+    # -- prefill --------------------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int,
+                suffixes: list[list[int]] | None = None) -> Session:
+        """Each row: prompt pass(es) with compression, then its suffix (uncompressed); then the batch's storage.
+
+        ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the row's prefill compression."""
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every sample needs at least one token")
-        B, n = len(prompts), max(len(p) for p in prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        tokens = torch.full((B, n), pad_token_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((B, n), dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            tokens[b, n - len(p):] = torch.tensor(p, device=self.device)
-            mask[b, n - len(p):] = 1
-        index = torch.arange(n, device=self.device).view(1, n) - (n - lengths).view(B, 1)
-        index = index.masked_fill(mask == 0, -1)
-        cache = CompressedCache(self.num_layers)
-        cache.wanted_stats = self.method.needed_stats("prefill")
-        cache.window = self.method.window
-        _sync(self.device)
-        start = time.perf_counter()
-        logits = self._forward(tokens, index, index.clamp(min=0), cache, attention_mask=mask)
-        cache.drop_padding()
-        _sync(self.device)
-        forward_seconds = time.perf_counter() - start
-        kv_full = [layer.kv.nbytes() for layer in cache.layers]
-        n_keep = self.budget.n_keep(lengths.cpu(), max_new_tokens, self.method.budget_basis).to(self.device)
-        layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, cache.pass_stats,
-                                                 max_new_tokens).to(self.device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for layer in range(self.num_layers):
-                stats = self._with_raw_keys(cache, layer, cache.pass_stats[layer], self.method.needs)
-                kv = self.method.compress(layer, cache.kv(layer), stats, layer_n_keep[layer], "prefill")
-                cache.set_kv(layer, kv)
-                cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
-        _sync(self.device)
-        session = Session(self, cache, next_index=lengths.clone(), layer_n_keep=layer_n_keep)
-        session.logits = logits[:, -1]
-        session.compress_seconds = time.perf_counter() - start
-        session.timings = {"forward_seconds": forward_seconds, "kv_full": kv_full}
-        session.prefill_lengths = cache.lengths().clone()
+        lengths = torch.tensor([len(p) for p in prompts])
+        n_keep = self.budget.n_keep(lengths, max_new_tokens, self.method.budget_basis)
+        timer = DeviceTimer(self.device)
+        rows = [self._prefill_row(prompt, n_keep[b:b + 1], max_new_tokens,
+                                  suffixes[b] if suffixes is not None else [], timer)
+                for b, prompt in enumerate(prompts)]
+        session = rows[0] if len(rows) == 1 else self._batch(rows, timer)
+        session.timer = timer
         return session
+
+    def _prefill_row(self, prompt: list[int], n_keep: Tensor, max_new_tokens: int, suffix: list[int],
+                     timer: DeviceTimer) -> Session:
+        method, L, n = self.method, self.num_layers, len(prompt)
+        cache = CompressedCache(L)
+        tokens = torch.tensor([prompt], device=self.device)
+        per_layer = not method.budget_needs
+        if per_layer:  # budgets from the prompt length alone: known before the pass
+            layer_n_keep = method.layer_budgets(n_keep, L, [AttentionStats(num_queries=torch.tensor([n]))] * L,
+                                                max_new_tokens)
+        session = Session(self, cache, next_index=torch.tensor([n], device=self.device),
+                          layer_n_keep=None, host_n_keep=None, timer=timer)
+        chunk = self.prefill_chunk_size or n
+        observed = [None] * L  # chunked: column sums of every slot over all prompt queries so far, by position
+        logits = None
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            index = torch.arange(start, stop, device=self.device).view(1, -1)
+
+            def compress_layer(layer: int) -> None:
+                stats = self._prompt_stats(cache, layer, observed, stop, start > 0)
+                with timer.section("compress"):
+                    kv = method.compress(layer, cache.kv(layer), stats, session.layer_n_keep[layer], "prefill")
+                    cache.set_kv(layer, kv)
+                cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
+
+            plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
+                            wanted=method.needs, window=method.window,
+                            after_layer=compress_layer if per_layer else None)
+            if per_layer:
+                session.layer_n_keep = layer_n_keep.to(self.device)
+            logits = self._forward(tokens[:, start:stop], index, index, cache, plan, logits_to_keep=1)
+            if not per_layer:
+                stats = [self._prompt_stats(cache, layer, observed, stop, start > 0) for layer in range(L)]
+                session.layer_n_keep = method.layer_budgets(n_keep, L, stats, max_new_tokens).to(self.device)
+                for layer in range(L):
+                    with timer.section("compress"):
+                        cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats[layer],
+                                                            session.layer_n_keep[layer], "prefill"))
+                    cache.pass_stats[layer] = AttentionStats()
+        session.host_n_keep = session.layer_n_keep.cpu().numpy()
+        session.logits = logits[:, -1]
+        session.prefill_lengths = cache.lengths()
+        session.kv_bytes_full = [n * self._token_bytes(cache)]
+        session.kv_bytes_compressed = [self.row_bytes(cache, 0)]
+        self._plan_capacity(session, extra=len(suffix), max_new_tokens=max_new_tokens)
+        if suffix:
+            session.feed(torch.tensor([suffix], device=self.device), phase="extend")
+        return session
+
+    def _prompt_stats(self, cache: CompressedCache, layer: int, observed: list, seen: int,
+                      chunked: bool) -> AttentionStats:
+        """The statistics ``compress`` gets after a prompt pass; with chunks, column sums accumulate over all
+        prompt queries so far (by slot position, so they follow the slots the method kept)."""
+        stats, kv = cache.pass_stats[layer], cache.kv(layer)
+        if stats.column_sums is not None and self.prefill_chunk_size is not None:
+            if observed[layer] is None:
+                observed[layer] = stats.column_sums.new_zeros(*stats.column_sums.shape[:2], seen)
+            table = observed[layer]
+            if table.shape[-1] < seen:
+                table = observed[layer] = torch.nn.functional.pad(table, (0, seen - table.shape[-1]))
+            valid = kv.valid()
+            position = torch.where(valid, kv.positions, 0)
+            table.scatter_add_(2, position, torch.where(valid, stats.column_sums, 0.0))
+            stats.column_sums = torch.where(valid, table.gather(2, position), 0.0)
+        if chunked:
+            stats.num_queries = torch.full_like(stats.num_queries, seen)
+        return self._with_raw_keys(kv, stats, self.method.needs)
+
+    def _plan_capacity(self, session: Session, extra: int, max_new_tokens: int) -> None:
+        """Re-allocate every layer once for what comes next: ``extra`` suffix tokens, then decoding up to the
+        next compression (budget + decode_interval) or, for prompt-only methods, every new token."""
+        method = self.method
+        for index, layer in enumerate(session.cache.layers):
+            length = layer.longest + extra
+            if method.compress_during_decode:
+                keep = int(session.host_n_keep[index].max())
+                capacity = min(length + max_new_tokens, max(keep, length) + method.decode_interval)
+            else:
+                capacity = length + max_new_tokens
+            if capacity != layer.kv.capacity:
+                layer.kv.resize(max(capacity, layer.longest))
+
+    def _batch(self, rows: list[Session], timer: DeviceTimer) -> Session:
+        """Copy the rows' caches into one batch storage per layer (capacity: the largest row's plan)."""
+        cache = CompressedCache(self.num_layers)
+        for index, layer in enumerate(cache.layers):
+            parts = [row.cache.layers[index] for row in rows]
+            capacity = max(part.kv.capacity for part in parts)
+            first = parts[0].kv
+            B, H = len(rows), first.lengths.shape[1]
+            kv = LayerKV(
+                keys=first.keys.new_zeros(B, H, capacity, first.keys.shape[-1]),
+                values=first.values.new_zeros(B, H, capacity, first.values.shape[-1]),
+                positions=first.positions.new_full((B, H, capacity), -1),
+                lengths=torch.cat([part.kv.lengths for part in parts]),
+                state={name: s.new_zeros(B, H, capacity) for name, s in first.state.items()},
+            )
+            for b, part in enumerate(parts):
+                t = part.kv.capacity
+                kv.keys[b, :, :t] = part.kv.keys[0]
+                kv.values[b, :, :t] = part.kv.values[0]
+                kv.positions[b, :, :t] = part.kv.positions[0]
+                for name, s in part.kv.state.items():
+                    kv.state[name][b, :, :t] = s[0]
+                part.kv = None  # free the row's copy before the next layer is copied
+            layer.adopt(kv, np.concatenate([part.host_lengths for part in parts]))
+            layer.ordered = all(part.ordered for part in parts)
+            layer.fresh = False
+        return Session(
+            self, cache, next_index=torch.cat([row.next_index for row in rows]),
+            layer_n_keep=torch.cat([row.layer_n_keep for row in rows], dim=1),
+            host_n_keep=np.concatenate([row.host_n_keep for row in rows], axis=1),
+            logits=torch.cat([row.logits for row in rows]), decode_steps=0,
+            prefill_lengths=torch.cat([row.prefill_lengths for row in rows], dim=1),
+            kv_bytes_full=[b for row in rows for b in row.kv_bytes_full],
+            kv_bytes_compressed=[b for row in rows for b in row.kv_bytes_compressed],
+        )
+
+    @staticmethod
+    def _token_bytes(cache: CompressedCache) -> int:
+        """K+V bytes one token occupies in every head of every layer."""
+        return sum(layer.kv.lengths.shape[1] * layer.kv.slot_bytes for layer in cache.layers)
+
+    @staticmethod
+    def row_bytes(cache: CompressedCache, b: int) -> int:
+        """K+V bytes of row b's real slots (host mirror)."""
+        return int(sum(layer.host_lengths[b].sum() * layer.kv.slot_bytes for layer in cache.layers))
 
     # -- greedy generation ------------------------------------------------------------------------------
 
@@ -219,46 +429,41 @@ class Engine:
         stop_token_ids: set[int],
         suffixes: list[list[int]] | None = None,
         min_new_tokens: int = 0,
-        pad_token_id: int = 0,
         stop_when: Callable[[list[int]], bool] | None = None,
     ) -> list[Generation]:
         """Greedy decoding. ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the prefill
         compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output);
         ``stop_when(tokens)`` ends a row once it returns True for the row's output so far (stop strings)."""
-        with PeakMemory(self.device) as peak:
-            gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id,
-                                  stop_when)
+        with PeakMemory(self.device) as peak, attach(self.model, self.attn_implementation):
+            gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, stop_when)
+        above = peak.bytes - self.weight_bytes if self.device.type == "cuda" else peak.bytes
         for gen in gens:
-            gen.peak_memory_bytes = peak.bytes
+            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak.bytes, above
         return gens
 
-    def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, pad_token_id, stop_when):
+    def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, stop_when):
         B = len(prompts)
         _sync(self.device)
         t0 = time.perf_counter()
-        session = self.prefill(prompts, max_new_tokens, pad_token_id)
-        kv_compressed = [self.cache_row_bytes(session.cache, b) for b in range(B)]
-        if suffixes is not None:
-            self._feed_ragged(session, suffixes, pad_token_id)
-        for layer in session.cache.layers:
-            layer.kv.reserve(max_new_tokens, exact=True)
+        session = self.prefill(prompts, max_new_tokens, suffixes)
+        _sync(self.device)
+        prefill_seconds = time.perf_counter() - t0
+        compress_seconds = session.compress_seconds
         outputs: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         stopped = ["max_new_tokens"] * B
         stop = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=self.device)
-        _sync(self.device)
-        prefill_seconds = time.perf_counter() - t0
+        kv_read = np.zeros(B)
         t1 = time.perf_counter()
         steps = 0
         for step in range(max_new_tokens):
-            logits = session.logits.float()
+            logits = session.logits
             if step < min_new_tokens and stop.numel():  # out of place: the logits are an inference tensor
                 logits = logits.index_fill(1, stop, -float("inf"))
             next_tokens = logits.argmax(-1)
-            for b in range(B):
+            for b, token in enumerate(next_tokens.tolist()):
                 if done[b]:
                     continue
-                token = int(next_tokens[b])
                 if token in stop_token_ids:
                     done[b], stopped[b] = True, "eos"
                 else:
@@ -268,6 +473,7 @@ class Engine:
             if all(done) or step == max_new_tokens - 1:
                 break
             session.feed(next_tokens.view(B, 1), phase="decode")
+            kv_read += [self.row_bytes(session.cache, b) for b in range(B)]
             steps += 1
         _sync(self.device)
         decode_seconds = time.perf_counter() - t1
@@ -276,48 +482,19 @@ class Engine:
                 tokens=outputs[b],
                 prompt_length=len(prompts[b]),
                 kept_per_layer_head=session.prefill_lengths[:, b].tolist(),
-                n_keep=int(round(float(session.layer_n_keep[:, b].float().mean()))),
-                kv_bytes_full=self._row_share(session.timings["kv_full"], b, prompts),
-                kv_bytes_compressed=kv_compressed[b],
-                kv_bytes_final=self.cache_row_bytes(session.cache, b),
+                n_keep=int(round(float(session.host_n_keep[:, b].mean()))),
+                kv_bytes_full=session.kv_bytes_full[b],
+                kv_bytes_compressed=session.kv_bytes_compressed[b],
+                kv_bytes_final=self.row_bytes(session.cache, b),
+                decode_kv_bytes_mean=float(kv_read[b] / steps) if steps else float("nan"),
                 prefill_seconds=prefill_seconds / B,
-                compress_seconds=session.compress_seconds / B,
+                compress_seconds=compress_seconds / B,
                 decode_seconds=decode_seconds / B,
                 decode_compress_seconds=session.decode_compress_seconds / B,
                 tpot_seconds=decode_seconds / max(1, steps),
                 peak_memory_bytes=0,
+                peak_memory_above_weights_bytes=0,
                 stopped_by=stopped[b],
             )
             for b in range(B)
         ]
-
-    def _feed_ragged(self, session: Session, suffixes: list[list[int]], pad_token_id: int) -> None:
-        """Feed per-row suffixes of different lengths: left-pad them, then drop the padding slots."""
-        B, q = len(suffixes), max(len(s) for s in suffixes)
-        tokens = torch.full((B, q), pad_token_id, dtype=torch.long, device=self.device)
-        index = torch.full((B, q), -1, dtype=torch.long, device=self.device)
-        for b, s in enumerate(suffixes):
-            if s:
-                tokens[b, q - len(s):] = torch.tensor(s, device=self.device)
-                index[b, q - len(s):] = session.next_index[b] + torch.arange(len(s), device=self.device)
-        cache = session.cache
-        observing = self.method.compress_during_decode
-        cache.wanted_stats = self.method.needed_stats("decode") if observing else frozenset()
-        cache.window = self.method.window
-        logits = self._forward(tokens, index, self._rope_positions(cache, index.clamp(min=0)), cache)
-        cache.drop_padding()
-        if observing:
-            session._observe_and_compress(compress=False)
-        fed = torch.tensor([len(s) for s in suffixes], device=self.device)
-        session.next_index = session.next_index + fed
-        session.logits = torch.where((fed > 0).view(-1, 1), logits[:, -1], session.logits)
-
-    @staticmethod
-    def cache_row_bytes(cache: CompressedCache, b: int) -> int:
-        return sum(layer.kv.nbytes(b) for layer in cache.layers)
-
-    @staticmethod
-    def _row_share(layer_bytes: list[int], b: int, prompts: list[list[int]]) -> int:
-        """Uncompressed bytes of row b: the prompt pass stores every row's tokens in every head."""
-        total_tokens = sum(len(p) for p in prompts)
-        return int(sum(layer_bytes) * len(prompts[b]) / total_tokens)

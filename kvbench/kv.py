@@ -44,10 +44,6 @@ class LayerKV:
         slots = torch.arange(self.capacity, device=self.keys.device)
         return slots.view(1, 1, -1) < self.lengths.unsqueeze(-1)
 
-    def is_dense(self) -> bool:
-        """All rows full to the same length: attention needs no per-head mask."""
-        return bool((self.lengths == self.capacity).all())
-
     def gather(self, index: Tensor, lengths: Tensor) -> "LayerKV":
         """Keep slots ``index`` (B, H, K) of every row; entries at or past ``lengths`` (B, H) are padding.
 
@@ -73,63 +69,96 @@ class LayerKV:
         for s in self.state.values():
             s.masked_fill_(pad, 0)
 
-    def trimmed(self) -> "LayerKV":
-        """A copy whose storage is exactly ``max_length`` slots long (drops trailing padding)."""
-        t = self.max_length
-        return LayerKV(
-            keys=self.keys[:, :, :t].contiguous(),
-            values=self.values[:, :, :t].contiguous(),
-            positions=self.positions[:, :, :t].contiguous(),
-            lengths=self.lengths.clone(),
-            state={name: s[:, :, :t].contiguous() for name, s in self.state.items()},
-        )
-
     def reserve(self, extra: int, exact: bool = False) -> None:
         """Grow the storage so that ``extra`` more slots fit in every row without re-allocation.
 
         Growth is geometric (at least half the current capacity) unless ``exact``, so a cache that grows one
-        token per step is copied O(log n) times, not n times; allocated_bytes() shows the slack."""
+        token per step is copied O(log n) times, not n times; allocated_bytes() shows the slack. Reads the
+        longest row back from the device: the engine's decode path sizes storage from its host mirror instead."""
         need = self.max_length + extra
         if need <= self.capacity:
             return
-        if not exact:
-            need = max(need, self.capacity + self.capacity // 2)
-        grow = need - self.capacity
+        self.resize(need if exact else max(need, self.capacity + self.capacity // 2))
 
+    def resize(self, capacity: int) -> None:
+        """Re-allocate every per-slot tensor at ``capacity`` slots (>= every row's length), in place."""
         def pad(t: Tensor, value: float) -> Tensor:
             shape = list(t.shape)
-            shape[2] = grow
-            return torch.cat([t, t.new_full(shape, value)], dim=2)
+            shape[2] = capacity - t.shape[2]
+            return torch.cat([t, t.new_full(shape, value)], dim=2) if shape[2] > 0 else t[:, :, :capacity].clone()
 
         self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
         self.positions = pad(self.positions, -1)
         self.state = {name: pad(s, 0) for name, s in self.state.items()}
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        """Write q new tokens (B, H, q, D) after each row's last real slot; positions (B, q)."""
-        q = keys.shape[2]
-        self.reserve(q)
-        B, H = self.lengths.shape
-        slot = self.lengths.unsqueeze(-1) + torch.arange(q, device=keys.device)  # (B, H, q)
-        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]), keys.to(self.keys.dtype))
-        self.values.scatter_(
-            2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]), values.to(self.values.dtype)
-        )
-        self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q).to(self.positions))
-        for s in self.state.values():
-            s.scatter_(2, slot, torch.zeros_like(slot, dtype=s.dtype))
-        self.lengths += q
+        """Write q new tokens (B, H, q, D) after each row's last real slot, growing the storage if needed."""
+        self.reserve(keys.shape[2])
+        self.write(keys, values, positions)
 
     def accumulate(self, name: str, amount: Tensor) -> None:
-        """state[name] += amount (B, H, T) in float32; starts the state if the method has none yet."""
-        amount = amount.float()
-        self.state[name] = self.state[name] + amount if name in self.state else amount.clone()
+        """state[name] += amount (B, H, T) in float32, in place (the engine's decode storage and a captured
+        CUDA graph hold on to the state tensors); starts the state if the method has none yet."""
+        if name in self.state:
+            self.state[name].add_(amount)
+        else:
+            self.state[name] = amount.float().clone()
+
+    def write(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Write q new tokens (B, H, q, D) after each row's last real slot, in place; positions (B, q).
+
+        The caller guarantees room (``capacity >= max length + q``, known on the host); nothing here reads a
+        device value back, so a decode step stays free of host synchronisation. New slots' state starts at 0."""
+        B, H, q, _ = keys.shape
+        slot = self.lengths.unsqueeze(-1) + torch.arange(q, device=keys.device)  # (B, H, q)
+        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]), keys.to(self.keys.dtype))
+        self.values.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]),
+                             values.to(self.values.dtype))
+        self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q))
+        for s in self.state.values():
+            s.scatter_(2, slot, 0.0)
+        self.lengths += q
+
+    def write_aligned(self, start: int, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """``write`` for a cache whose rows all hold ``start`` slots (the host knows it): plain slice copies."""
+        B, H, q, _ = keys.shape
+        stop = start + q
+        self.keys[:, :, start:stop] = keys
+        self.values[:, :, start:stop] = values
+        self.positions[:, :, start:stop] = positions.view(B, 1, q)
+        for s in self.state.values():
+            s[:, :, start:stop] = 0.0
+        self.lengths += q
+
+    def remove_slot(self, victim: Tensor) -> None:
+        """Remove slot ``victim`` (B, H) of every row in place: the row's last slot moves into it and the row
+        shrinks by one (one slot copied per row instead of a re-gathered cache). Slots are no longer in
+        positional order afterwards, and the vacated slot keeps stale data past the length: the engine
+        restores order and clears padding (``sorted_by_position``, ``zero_padding``) before any
+        order-dependent ``Method.compress``."""
+        last = (self.lengths - 1).unsqueeze(-1)  # (B, H, 1)
+        dest = victim.unsqueeze(-1)
+        for t in (self.keys, self.values):
+            rows = last.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])
+            t.scatter_(2, dest.unsqueeze(-1).expand_as(rows), t.gather(2, rows))
+        for t in (self.positions, *self.state.values()):
+            t.scatter_(2, dest, t.gather(2, last))
+        self.lengths -= 1
+
+    def sorted_by_position(self) -> "LayerKV":
+        """A copy whose real slots are in original-token order (after in-place removals), padding cleared."""
+        key = torch.where(self.valid(), self.positions, torch.iinfo(self.positions.dtype).max)
+        return self.gather(key.argsort(dim=-1, stable=True), self.lengths)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's key and value (one head)."""
+        return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
 
     def nbytes(self, row: int | None = None) -> int:
         """Bytes of K and V in real slots (the logical cache size), of every row or of batch row ``row``."""
-        per_slot = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         lengths = self.lengths if row is None else self.lengths[row]
-        return int(lengths.sum()) * per_slot
+        return int(lengths.sum()) * self.slot_bytes
 
     def allocated_bytes(self) -> int:
         """Bytes of the K and V tensors as allocated (padding included)."""

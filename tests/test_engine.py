@@ -88,9 +88,10 @@ def test_compressed_cache_really_shrinks_and_keeps_kv_heads(tiny_model):
     prompt = prompts([64], tiny_model.config.vocab_size)[0]
     session = engine.prefill([prompt], max_new_tokens=4)
     for layer in session.cache.layers:
-        assert layer.kv.keys.shape == (1, tiny_model.config.num_key_value_heads, 16, layer.kv.keys.shape[-1])
+        # static capacity: the budget plus the one slot a decode step adds before it evicts
+        assert layer.kv.keys.shape == (1, tiny_model.config.num_key_value_heads, 17, layer.kv.keys.shape[-1])
         assert layer.kv.lengths.tolist() == [[16, 16]]
-        assert layer.kv.positions[0, 0].tolist() == list(range(48, 64))
+        assert layer.kv.positions[0, 0, :16].tolist() == list(range(48, 64))
     gen = engine.generate([prompt], max_new_tokens=6, stop_token_ids=set())[0]
     assert gen.kv_bytes_compressed * 4 == gen.kv_bytes_full
     assert gen.kv_bytes_final == gen.kv_bytes_compressed  # decode-time compression keeps it at n_keep

@@ -7,7 +7,9 @@ every ``decode_interval`` steps once a row exceeds ``n_keep``), and stores whate
 
 Capabilities are class data, read by the engine: ``needs`` (statistics the engine must compute),
 ``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
-``budget_basis`` (what a fractional budget is a fraction of).
+``budget_basis`` (what a fractional budget is a fraction of), ``budget_needs`` (statistics
+``layer_budgets`` reads: such a method cannot compress a layer before every layer has run),
+``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Method:
     decode_needs: ClassVar[frozenset[str]] = frozenset()
     phases: ClassVar[frozenset[str]] = frozenset({"prefill"})
     budget_basis: ClassVar[str] = "prompt"
+    budget_needs: ClassVar[frozenset[str]] = frozenset()
+    evicts_in_place: ClassVar[bool] = False
 
     compress_during_decode: bool = False
     decode_interval: int = 1
@@ -90,6 +94,14 @@ class Method:
         ``phase`` is "prefill" or "decode". The returned rows must not exceed ``n_keep`` unless the method's
         documented budget rule says otherwise (KVMerger's threshold-driven merging, protected heads).
         """
+        raise NotImplementedError
+
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
+        """The decode step of a method that compresses every step, in place: every row holds n_keep + 1 slots
+        (in any order; positions say which token each slot holds). Merge whatever the method merges into
+        slots that stay (writing ``kv`` in place) and return the slot each row drops, (B, H) long; the engine
+        then moves the row's last slot into it. Must give the same cache, up to slot order, as ``compress``
+        (tests compare the two), and must not read device values back (it runs inside CUDA graphs)."""
         raise NotImplementedError
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:

@@ -68,6 +68,7 @@ class D2O(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    budget_needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})  # every layer's, before any compression
 
     beta: float = 0.7
     n_heavy: int = 3

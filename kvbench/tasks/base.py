@@ -110,7 +110,6 @@ class Task:
                 stop_token_ids=set(stops) | lm.eos_token_ids,
                 suffixes=None if no_suffix else [prompts[i].suffix_ids for i in idx],
                 min_new_tokens=min_new,
-                pad_token_id=lm.pad_token_id,
                 stop_when=stop_string_check(lm, stop_strings),
             )
             for i, gen in zip(idx, gens):

@@ -175,17 +175,14 @@ class PG19(Task):
         if engine.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(engine.device)
         start = time.perf_counter()
-        session = self._document_engine(engine, n).prefill(ids[:, :p].tolist(), max_new_tokens=n - p,
-                                                             pad_token_id=lm.pad_token_id)
-        for layer in session.cache.layers:
-            layer.kv.reserve(n - p)
+        session = self._document_engine(engine, n).prefill(ids[:, :p].tolist(), max_new_tokens=n - p)
         prefill_seconds = time.perf_counter() - start
         first = token_nll(session.logits[:, None][:, : n - p], ids[:, p : p + 1])  # (B, 1); (B, 0) if n == p
         start = time.perf_counter()
-        rest, peak, passes = self._feed(session, ids, p)
+        rest, peak, passes, kv_read = self._feed(session, ids, p)
         B = len(group)  # per-document shares of the batch's times, as engine.generate reports them
         timings = {"prefill_seconds": prefill_seconds / B, "compress_seconds": session.compress_seconds / B,
-                   "decode_seconds": (time.perf_counter() - start) / B, "passes": passes,
+                   "decode_seconds": (time.perf_counter() - start) / B, "passes": passes, "kv_bytes_read": kv_read,
                    "decode_compress_seconds": session.decode_compress_seconds / B}
         nll = torch.cat([first, rest], dim=1)  # (B, n - p): targets p .. n-1
         return [self._row(s, session, b, nll[b], n, peak, timings) for b, s in enumerate(group)], session
@@ -208,20 +205,24 @@ class PG19(Task):
             raise ConfigError(f"pg19 stream reaches position {end} > model max_length={lm.max_length} with "
                               "position_mode=original: use position_mode=cache_length or fewer/shorter documents")
         compress_before, start = session.decode_compress_seconds, time.perf_counter()
-        nll, peak, passes = self._feed(session, ids, 0)  # targets 1 .. n-1; the first p are this document's prompt
+        nll, peak, passes, kv_read = self._feed(session, ids, 0)  # targets 1 .. n-1; the first p are this document's prompt
         timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0, "decode_seconds": time.perf_counter() - start,
-                   "passes": passes, "decode_compress_seconds": session.decode_compress_seconds - compress_before}
+                   "passes": passes, "kv_bytes_read": kv_read,
+                   "decode_compress_seconds": session.decode_compress_seconds - compress_before}
         return self._row(sample, session, 0, nll[0, max(p - 1, 0):], n, peak, timings)
 
-    def _feed(self, session: Session, ids: Tensor, start: int) -> tuple[Tensor, int, int]:
+    def _feed(self, session: Session, ids: Tensor, start: int) -> tuple[Tensor, int, int, list[int]]:
         """Feed ids[:, start:] (B, n) ``step`` tokens per pass with decode-time compression.
 
-        Returns the (B, n-1-start) NLL of targets ids[:, start+1:n], the longest cache row seen and the
-        number of passes. A document's last token is fed only into a stream (the next document reads it)."""
+        Returns the (B, n-1-start) NLL of targets ids[:, start+1:n], the longest cache row seen, the number of
+        passes and, per row, the K+V bytes of the cache summed over passes. A document's last token is fed
+        only into a stream (the next document reads it)."""
         step = 1 if self.protocol == "streaming" else self.stride
         n = ids.shape[1]
         end = n if not self.reset_per_document else n - 1
         peak = int(session.cache.lengths().max())
+        rows = range(ids.shape[0])
+        kv_read = [0] * ids.shape[0]
         out = [ids.new_zeros(ids.shape[0], 0, dtype=torch.float32)]
         for s in range(start, end, step):
             e = min(s + step, end)
@@ -229,17 +230,18 @@ class PG19(Task):
             targets = ids[:, s + 1 : e + 1]
             out.append(token_nll(logits[:, : targets.shape[1]], targets))
             peak = max(peak, int(session.cache.lengths().max()))
-        return torch.cat(out, dim=1), peak, len(out) - 1
+            kv_read = [total + Engine.row_bytes(session.cache, b) for b, total in zip(rows, kv_read)]
+        return torch.cat(out, dim=1), peak, len(out) - 1, kv_read
 
     def _row(self, sample: Sample, session: Session, b: int, nll: Tensor, n: int, peak: int, timings: dict) -> dict:
         nll = nll.double().cpu()
         count = int(nll.numel())
         windows = [nll[i : i + self.window_size] for i in range(0, count, self.window_size)]
         cache = session.cache
-        per_token = sum(layer.kv.keys.shape[1] * layer.kv.keys.shape[-1]
-                        * (layer.kv.keys.element_size() + layer.kv.values.element_size()) for layer in cache.layers)
+        per_token = sum(layer.kv.keys.shape[1] * layer.kv.slot_bytes for layer in cache.layers)
+        memory = peak_memory_bytes(session.engine.device)
         seen = int(session.next_index[b])  # tokens that went through this cache (the stream so far)
-        final = Engine.cache_row_bytes(cache, b)
+        final = Engine.row_bytes(cache, b)
         gen = Generation(
             tokens=[], prompt_length=n, kept_per_layer_head=cache.lengths()[:, b].tolist(),
             n_keep=int(round(float(session.layer_n_keep[:, b].float().mean()))),
@@ -247,7 +249,9 @@ class PG19(Task):
             prefill_seconds=timings["prefill_seconds"], compress_seconds=timings["compress_seconds"],
             decode_seconds=timings["decode_seconds"], decode_compress_seconds=timings["decode_compress_seconds"],
             tpot_seconds=timings["decode_seconds"] * len(session.next_index) / max(1, timings["passes"]),
-            peak_memory_bytes=peak_memory_bytes(session.engine.device), stopped_by="end_of_document",
+            decode_kv_bytes_mean=timings["kv_bytes_read"][b] / max(1, timings["passes"]),
+            peak_memory_bytes=memory, peak_memory_above_weights_bytes=memory - session.engine.weight_bytes,
+            stopped_by="end_of_document",
         )
         return {
             "sample_id": sample.id,

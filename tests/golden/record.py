@@ -2,8 +2,11 @@
 
 ``python tests/golden/record.py`` writes ``tests/golden/decode_tokens.json``; ``tests/test_golden_tokens.py``
 replays the same scenarios and requires the same tokens and realized cache sizes. The file was first written
-by the engine before the static-capacity / in-place rewrite (commit 3324ebb): a re-record is legitimate only
-when a method's *semantics* change on purpose, and the commit that does it says which methods and why.
+by the engine before the static-capacity / in-place rewrite (commit 3324ebb), each ``batch`` row generated
+alone: that engine's left-padded batch prompt pass differed from its rows alone by float rounding, enough to
+flip SnapKV's, PyramidKV's and EMS-with-positions' choices in 4 of the 19 cases; the engine now prefills one
+row at a time, so a batch equals its rows by construction. A re-record is legitimate only when a method's
+*semantics* change on purpose, and the commit that does it says which methods and why.
 
 Scenarios (tiny random model, float32, CPU, torch kernels):
 - ``batch``: two prompts of 61 and 40 tokens together (ragged rows), 24 greedy tokens;

@@ -1,0 +1,164 @@
+"""Triton twin of ``decode_attention.decode_attention``: split-K (flash-decoding) attention of one query per row.
+
+A decode step reads the whole cache once and does little arithmetic, so the work is split over the key axis:
+one program per (key split, b, kv head) runs the online softmax over its slots for every query head of the
+GQA group at once (the group's heads are the rows of one tile, so each K/V tile is read once), and writes its
+partial (max, sum, weighted values); a second kernel combines the splits into the output and the
+log-sum-exp. With statistics wanted, the first kernel also writes every slot's logit (-inf past the row's
+length) and the step attention is exp(logit - lse) averaged over the group (three small torch ops).
+
+The grid depends only on the storage's capacity and the ``span`` the host passes, never on a device value:
+programs whose split lies past a row's length exit after one comparison, so a captured CUDA graph replays
+correctly while rows grow and shrink. Inputs are cast to float32 after loading (the CPU interpreter cannot
+compute on bfloat16); the tile products run in tf32 for half inputs, full float32 for float32 inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_N = 64  # slots per tile
+
+
+@triton.jit
+def _decode_partials(
+    q_ptr, k_ptr, v_ptr, len_ptr, bias_ptr, logit_ptr, m_ptr, l_ptr, acc_ptr,
+    sqb, sqh, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sbb, sbh, sbt,
+    H_kv, C, span, D, DV, split_size, n_splits, scale_log2,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_LOGITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, hkv = pid_bh // H_kv, pid_bh % H_kv
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    hq = hkv * GROUP + rows
+    d, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :] * sqd,
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    length = tl.load(len_ptr + pid_bh)
+    start = split * split_size
+    split_end = tl.minimum(start + split_size, span)
+    stop = split_end if WANT_LOGITS else tl.minimum(split_end, length)  # logits past the length: -inf
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        real = cols < tl.minimum(length, split_end)
+        k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None] * skt + d[None, :] * skd,
+                    mask=real[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + b * sbb + hkv * sbh + cols * sbt, mask=real, other=0.0).to(tl.float32)
+            s += bias[None, :] * 1.4426950408889634
+        s = tl.where(real[None, :], s, float("-inf"))
+        if WANT_LOGITS:
+            tl.store(logit_ptr + (b * H_kv * GROUP + hq[:, None]) * C + cols[None, :], s * 0.6931471805599453,
+                     mask=row_ok[:, None] & (cols[None, :] < split_end))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None] * svt + dv[None, :] * svd,
+                    mask=real[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    part = pid_bh * n_splits + split
+    tl.store(m_ptr + part * BLOCK_M + rows, m_i)
+    tl.store(l_ptr + part * BLOCK_M + rows, l_i)
+    tl.store(acc_ptr + (part * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
+
+
+@triton.jit
+def _decode_combine(
+    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, sob, soh, sod, H_kv, DV, n_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b, hkv = pid_bh // H_kv, pid_bh % H_kv
+    rows = tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(m_ptr + (pid_bh * n_splits + s) * BLOCK_M + rows))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for s in range(0, n_splits):
+        part = pid_bh * n_splits + s
+        scale = tl.exp2(tl.load(m_ptr + part * BLOCK_M + rows) - m_safe)
+        total += scale * tl.load(l_ptr + part * BLOCK_M + rows)
+        acc += scale[:, None] * tl.load(acc_ptr + (part * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :])
+    out = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
+    hq = hkv * GROUP + rows
+    row_ok = rows < GROUP
+    tl.store(out_ptr + b * sob + hq[:, None] * soh + dv[None, :] * sod, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(total > 0, (m + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + b * H_kv * GROUP + hq, lse, mask=row_ok)
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """About two waves of programs: enough splits to keep every multiprocessor streaming the cache."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_plan(span: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots."""
+    tiles = max(1, triton.cdiv(span, BLOCK_N))
+    n_splits = max(1, min(tiles, triton.cdiv(_programs_wanted(device), rows)))
+    split_size = triton.cdiv(tiles, n_splits) * BLOCK_N
+    return split_size, triton.cdiv(span, split_size) if span else 1
+
+
+def decode_attention(
+    query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, positions: Tensor, query_pos: Tensor,
+    scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Triton ``decode_attention.decode_attention`` (``positions``/``query_pos`` are unused: every real slot
+    precedes the decode query)."""
+    B, Hq, _, D = query.shape
+    Hkv, C, DV = keys.shape[1], keys.shape[2], values.shape[-1]
+    group = Hq // Hkv
+    block_m, block_dv = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(DV))
+    split_size, n_splits = split_plan(span, B * Hkv, query.device)
+    parts = B * Hkv * n_splits
+    m = torch.empty(parts, block_m, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(parts, block_m, block_dv, dtype=torch.float32, device=query.device)
+    logits = torch.empty(B, Hq, C, dtype=torch.float32, device=query.device) if want_step else m
+    if want_step and span < C:
+        logits[:, :, span:] = float("-inf")
+    bias = key_bias if key_bias is not None else m
+    bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
+    lengths = lengths.contiguous()
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _decode_partials[(n_splits, B * Hkv)](
+        query, keys, values, lengths, bias, logits, m, l, acc,
+        query.stride(0), query.stride(1), query.stride(3), *keys.stride(), *values.stride(), *bias_strides,
+        Hkv, C, span, D, DV, split_size, n_splits, scaling * LOG2E,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_DV=block_dv, HAS_BIAS=key_bias is not None, WANT_LOGITS=want_step, PRECISION=precision,
+    )
+    out = query.new_empty(B, Hq, 1, DV)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=query.device)
+    _decode_combine[(B * Hkv,)](
+        m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hkv, DV, n_splits,
+        GROUP=group, BLOCK_M=block_m, BLOCK_DV=block_dv,
+    )
+    if not want_step:
+        return out, None
+    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # -inf logits (padding) -> 0
+    return out, probs.view(B, Hkv, group, C).mean(2)
