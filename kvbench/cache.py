@@ -55,6 +55,7 @@ class CompressedLayer(CacheLayerMixin):
         self.host_lengths: np.ndarray | None = None  # (B, H) int64, equal to kv.lengths at all times
         self.fresh = True  # the current pass is the first over this layer (its prompt pass)
         self.ordered = True  # real slots are in original-token order (in-place removals break it)
+        self.storage_version = 0  # bumped whenever the storage tensors are replaced (graphs re-capture)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -64,6 +65,23 @@ class CompressedLayer(CacheLayerMixin):
         """Install ``kv`` as this layer's storage; ``host_lengths`` if the caller knows them (else one read)."""
         self.kv = kv
         self.host_lengths = kv.lengths.cpu().numpy().copy() if host_lengths is None else host_lengths
+        self.ordered = True
+        self.storage_version += 1
+
+    def store(self, kv: LayerKV) -> None:
+        """Install a compressed cache during decoding: copied into the existing storage when it fits (a
+        captured CUDA graph keeps reading the same tensors), else adopted."""
+        old = self.kv
+        if kv.capacity > old.capacity or set(kv.state) != set(old.state):
+            self.adopt(kv)
+            return
+        t = kv.capacity
+        for mine, theirs in ((old.keys, kv.keys), (old.values, kv.values), (old.positions, kv.positions),
+                             *((old.state[name], s) for name, s in kv.state.items())):
+            mine[:, :, :t] = theirs
+        old.lengths.copy_(kv.lengths)
+        old.zero_padding()
+        self.host_lengths = kv.lengths.cpu().numpy().copy()
         self.ordered = True
 
     @property
@@ -99,6 +117,7 @@ class CompressedLayer(CacheLayerMixin):
     def grow(self, capacity: int) -> None:
         """Re-allocate at ``capacity`` slots (geometric, so a cache that outgrows its plan is copied rarely)."""
         self.kv.resize(max(capacity, self.kv.capacity + self.kv.capacity // 2))
+        self.storage_version += 1
 
     def removed_one(self) -> None:
         """Mirror of ``LayerKV.remove_slot``: every row lost one slot."""

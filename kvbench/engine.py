@@ -36,6 +36,7 @@ from kvbench.attention import attach, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.errors import ConfigError
+from kvbench.graphs import DecodeGraph
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
@@ -67,7 +68,9 @@ class DeviceTimer:
 
     @contextmanager
     def section(self, name: str):
-        if self.cuda:
+        if self.cuda and torch.cuda.is_current_stream_capturing():  # a captured step is timed as a whole
+            yield
+        elif self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
@@ -139,13 +142,14 @@ class Session:
         self._seconds["decode_compress"] += self.timer.seconds("decode_compress")
         return self._seconds["decode_compress"]
 
-    def feed(self, tokens: Tensor, phase: str = "decode") -> Tensor:
+    def feed(self, tokens: Tensor, phase: str = "decode", static_shapes: bool = False) -> Tensor:
         """Run ``tokens`` (B, q) through the model on top of the cache; returns logits (B, q, V).
 
         phase="decode": the method's decode-time compression runs after the pass (if enabled and due);
         phase="extend": no compression (e.g. the question appended after a compressed context).
         Methods that compress while decoding observe the attention of every pass, extend passes included,
-        so that tokens fed in a chunk accumulate scores like decoded ones.
+        so that tokens fed in a chunk accumulate scores like decoded ones. ``static_shapes``: no kernel is
+        shaped by a host-known length (the step is being captured as a CUDA graph, ``kvbench.graphs``).
         """
         if phase not in ("decode", "extend"):
             raise ConfigError(f"unknown feed phase '{phase}'; accepted: decode, extend")
@@ -154,9 +158,10 @@ class Session:
         index = self.next_index.view(B, 1) + torch.arange(q, device=tokens.device)
         observing = method.compress_during_decode
         plan = PassPlan(query_positions=index, num_queries=torch.full((B,), q, device=tokens.device),
-                        wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window)
+                        wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window,
+                        static_shapes=static_shapes)
         logits = engine._forward(tokens, index, engine._rope_positions(self.cache, index), self.cache, plan)
-        self.next_index = self.next_index + q
+        self.next_index += q  # in place: a captured decode step keeps reading the same tensor
         self.logits = logits[:, -1]
         if observing:
             self.decode_steps += phase == "decode"
@@ -167,8 +172,7 @@ class Session:
     def _observe_and_compress(self, compress: bool, q: int) -> None:
         engine, cache, method = self.engine, self.cache, self.engine.method
         due = compress and self.decode_steps % method.decode_interval == 0
-        in_place = (engine.decode_path == "in_place" and method.evicts_in_place and q == 1
-                    and method.decode_interval == 1)
+        in_place = engine.in_place_eviction(q)
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             for index, layer in enumerate(cache.layers):
                 stats = engine._with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
@@ -183,7 +187,7 @@ class Session:
                     layer.removed_one()
                 else:
                     kv, stats = engine._ordered(layer, stats)
-                    cache.set_kv(index, method.compress(index, kv, stats, self.layer_n_keep[index], "decode"))
+                    layer.store(method.compress(index, kv, stats, self.layer_n_keep[index], "decode"))
 
 
 class Engine:
@@ -234,6 +238,11 @@ class Engine:
         """The same model and engine settings with another method and budget (reference systems)."""
         return Engine(self.model, method, budget, self.attn_implementation, self.position_mode,
                       self.prefill_chunk_size, self.cuda_graphs, self.decode_path)
+
+    def in_place_eviction(self, q: int) -> bool:
+        """Whether a pass of q tokens compresses through ``Method.evict_one`` (rows over budget by one)."""
+        method = self.method
+        return self.decode_path == "in_place" and method.evicts_in_place and q == 1 and method.decode_interval == 1
 
     # -- passes ---------------------------------------------------------------------------------------
 
@@ -454,6 +463,7 @@ class Engine:
         stopped = ["max_new_tokens"] * B
         stop = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=self.device)
         kv_read = np.zeros(B)
+        graph = DecodeGraph(session) if self.cuda_graphs else None
         t1 = time.perf_counter()
         steps = 0
         for step in range(max_new_tokens):
@@ -472,7 +482,10 @@ class Engine:
                         done[b], stopped[b] = True, "stop_string"
             if all(done) or step == max_new_tokens - 1:
                 break
-            session.feed(next_tokens.view(B, 1), phase="decode")
+            if graph is None:
+                session.feed(next_tokens.view(B, 1), phase="decode")
+            else:
+                graph.step(next_tokens)
             kv_read += [self.row_bytes(session.cache, b) for b in range(B)]
             steps += 1
         _sync(self.device)

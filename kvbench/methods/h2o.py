@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.select import keep_topk, lowest_unprotected, newest
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep
 
@@ -39,6 +39,7 @@ class H2O(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    evicts_in_place: ClassVar[bool] = True
 
     heavy_ratio: float = 0.5
     sinks: int = 0
@@ -57,10 +58,21 @@ class H2O(Method):
         if phase == "prefill":
             kv.state[SCORE] = stats.column_sums.float().clone()
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        heavy = torch.floor(self.heavy_ratio * keep.double()).long()
-        # Per-row (B, H, 1) counts, broadcast by keep_topk: every row gets its own window and sinks.
-        sinks = heavy.clamp(max=self.sinks).unsqueeze(-1)
-        recent = (keep - heavy).unsqueeze(-1)
+        sinks, recent = self.protected_counts(keep)
         index, lengths = keep_topk(kv.state[SCORE], keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
+
+    def protected_counts(self, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-row (B, H, 1) sinks and recent window of a (B, H) budget, broadcast by the selections."""
+        heavy = torch.floor(self.heavy_ratio * keep.double()).long()
+        return heavy.clamp(max=self.sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
+
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
+        """The lowest accumulated score outside the sinks (never moved from their prefill slots) and the
+        recent window (the newest positions)."""
+        sinks, recent = self.protected_counts(per_sample_n_keep(n_keep, kv))
+        valid = kv.valid()
+        slots = torch.arange(kv.capacity, device=kv.keys.device)
+        protected = (slots < sinks) | newest(kv.positions, valid, recent)
+        return lowest_unprotected(kv.state[SCORE], valid, protected)
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.select import keep_topk, lowest_unprotected
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, per_sample_n_keep
 
@@ -35,6 +36,7 @@ class TOVA(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"window_column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    evicts_in_place: ClassVar[bool] = True
 
     head_average: bool = True
     compress_during_decode: bool = True
@@ -50,9 +52,17 @@ class TOVA(Method):
         return 1
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
-        scores = stats.window_column_sums if phase == "prefill" else stats.step_attention  # (B, H, T)
-        if self.head_average:
-            # Heads of a row hold the same tokens in the same slots (they always keep the same ones).
-            scores = scores.mean(dim=1, keepdim=True).expand_as(scores)
+        scores = self.scores(stats.window_column_sums if phase == "prefill" else stats.step_attention)
         index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths)
         return kv.gather(index, lengths)
+
+    def scores(self, attention: Tensor) -> Tensor:
+        """(B, H, T) attention -> eviction scores (the head average, or each head's own)."""
+        if not self.head_average:
+            return attention
+        # Heads of a row hold the same tokens in the same slots: they always drop the same slot, in place too.
+        return attention.mean(dim=1, keepdim=True).expand_as(attention)
+
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
+        """The slot the current query attends to least."""
+        return lowest_unprotected(self.scores(stats.step_attention), kv.valid(), torch.zeros_like(kv.valid()))
