@@ -31,7 +31,7 @@ from kvbench.tasks.base import Task
 log = logging.getLogger("kvbench")
 
 # Config keys whose values change a result; everything under them goes into the run id and the row.
-RESULT_KEYS = ("model", "method", "budget", "task", "seed", "batch_size", "position_mode", "limit")
+RESULT_KEYS = ("model", "method", "budget", "task", "seed", "batch_size", "position_mode", "limit", "engine")
 
 
 def result_config(cfg: DictConfig) -> dict:
@@ -117,7 +117,8 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     started = dt.datetime.now(dt.timezone.utc)
     dispatch.set_backend(cfg.kernels.backend)
     lm, method, budget, task = build(cfg)
-    engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode)
+    engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
+                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
     samples = task.samples()
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
@@ -150,6 +151,7 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
         "task": task.name,
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
+        **_flatten("engine", config["engine"]),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
@@ -203,6 +205,8 @@ SUMMARY_COLUMNS = {
     "decode_compress_seconds": ("decode_compress_seconds", "mean"),
     "output_tokens_mean": ("output_tokens", "mean"),
     "peak_memory_bytes": ("peak_memory_bytes", "max"),
+    "peak_memory_above_weights_bytes": ("peak_memory_above_weights_bytes", "max"),
+    "decode_kv_bytes_mean": ("decode_kv_bytes_mean", "mean"),
 }
 
 

@@ -164,6 +164,8 @@ def generation_measurements(gen) -> dict:
         "decode_seconds": gen.decode_seconds,
         "decode_compress_seconds": gen.decode_compress_seconds,
         "tpot_seconds": gen.tpot_seconds,
+        "decode_kv_bytes_mean": gen.decode_kv_bytes_mean,
         "peak_memory_bytes": gen.peak_memory_bytes,
+        "peak_memory_above_weights_bytes": gen.peak_memory_above_weights_bytes,
         "stopped_by": gen.stopped_by,
     }

@@ -27,7 +27,8 @@ from kvbench.methods.full import Full
 from kvbench.tasks.base import Prompt, Sample, Task
 
 SYSTEMS = ("method", "full", "bare")
-MEASURES = ("ttft_seconds", "tpot_seconds", "peak_memory_bytes", "throughput_tokens_per_second")
+MEASURES = ("ttft_seconds", "tpot_seconds", "peak_memory_bytes", "peak_memory_above_weights_bytes",
+            "throughput_tokens_per_second")
 
 
 @dataclass
@@ -67,8 +68,7 @@ class Efficiency(Task):
         return {}
 
     def predict(self, samples: list[Sample], lm, engine: Engine) -> list[dict]:
-        full = Engine(engine.model, Full(), Budget("fraction", 1.0), engine.attn_implementation,
-                      engine.position_mode)
+        full = engine.with_method(Full(), Budget("fraction", 1.0))
         rows = []
         for sample in samples:
             prompt = self.build_prompt(sample, lm).context_ids
@@ -96,6 +96,7 @@ class Efficiency(Task):
             "ttft_seconds": gen.prefill_seconds * len(batch),  # per-row shares -> the batch's wall time
             "tpot_seconds": gen.tpot_seconds,
             "peak_memory_bytes": gen.peak_memory_bytes,
+            "peak_memory_above_weights_bytes": gen.peak_memory_above_weights_bytes,
             "throughput_tokens_per_second": len(batch) * self.new_tokens / total,
         }
         if not detail:
@@ -110,26 +111,35 @@ class Efficiency(Task):
         }
 
     def _time_bare(self, model, batch: list[list[int]]) -> dict:
-        """``model.generate`` timed twice: 1 token (TTFT) and all tokens; TPOT from the difference."""
+        """One ``model.generate`` call; a stopping criterion (called once per generated token, after the step's
+        logits) stamps the time of every token: TTFT = first stamp, TPOT = mean gap between later stamps."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
         ids = torch.tensor(batch, device=next(model.parameters()).device)
         device = ids.device
+        stamps: list[float] = []
 
-        def timed(n: int) -> float:
-            _sync(device)
+        class Stamp(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                _sync(device)  # generate reads its own finished flag back every step anyway
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        _sync(device)
+        with PeakMemory(device) as peak:
             start = time.perf_counter()
             with torch.inference_mode():
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                               pad_token_id=0, attention_mask=torch.ones_like(ids))
+                model.generate(ids, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids),
+                               stopping_criteria=StoppingCriteriaList([Stamp()]))
             _sync(device)
-            return time.perf_counter() - start
-
-        ttft = timed(1)
-        with PeakMemory(device) as peak:
-            total = timed(self.new_tokens)
+            total = time.perf_counter() - start
+        weights = sum(p.numel() * p.element_size() for p in model.parameters()) if device.type == "cuda" else 0
         return {
-            "ttft_seconds": ttft,
-            "tpot_seconds": max(total - ttft, 0.0) / (self.new_tokens - 1),
+            "ttft_seconds": stamps[0] - start,
+            "tpot_seconds": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
             "peak_memory_bytes": peak.bytes,
+            "peak_memory_above_weights_bytes": peak.bytes - weights,  # CPU: RSS growth, weights excluded
             "throughput_tokens_per_second": len(batch) * self.new_tokens / total,
         }
 

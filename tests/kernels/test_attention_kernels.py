@@ -98,3 +98,41 @@ def test_column_sums_hand_computed(backend):
     torch.testing.assert_close(lse, torch.tensor([4.0, 4.0 + math.log(2)]).expand(1, 2, 2))
     torch.testing.assert_close(col, torch.tensor([[[1.5, 0.5]]]))
     torch.testing.assert_close(win, torch.tensor([[[0.5, 0.5]]]))
+
+
+# (B, H_q, H_kv, capacity, D, span): decode over static-capacity storage; span < capacity as in eager decoding
+DECODE_SHAPES = {
+    "gqa": (2, 8, 2, 77, 64, 77),
+    "span_below_capacity": (3, 6, 2, 300, 32, 250),
+    "mha_short": (1, 4, 4, 5, 16, 5),
+    "many_splits": (1, 4, 1, 2000, 16, 1999),
+}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "logit_bias"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES.values(), ids=DECODE_SHAPES.keys())
+def test_decode_attention_matches_reference(shape, bias, dtype, output_tolerance):
+    from kvbench.kernels import triton_decode
+    from kvbench.kernels.decode_attention import decode_attention
+
+    B, Hq, Hkv, C, D, span = shape
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    keys, values = (torch.randn(B, Hkv, C, D, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.randint(1, span + 1, (B, Hkv), generator=g)
+    lengths[0, 0] = span
+    if B > 1:
+        lengths[-1, -1] = 0  # an empty row sees nothing: output 0, step attention 0
+    positions = torch.arange(C).repeat(B, Hkv, 1)
+    query_pos = torch.full((B, 1), C)
+    key_bias = torch.randn(B, Hkv, C, generator=g) if bias else None
+    args = (query, keys, values, lengths, positions, query_pos, 0.3, span, True, key_bias)
+    with use_backend("torch"):
+        out_ref, step_ref = decode_attention(*args)
+    out, step = triton_decode.decode_attention(*args)
+    assert out.dtype == dtype and step.shape == (B, Hkv, C)
+    torch.testing.assert_close(out.float(), out_ref.float(), **output_tolerance)
+    torch.testing.assert_close(step, step_ref, atol=1e-5, rtol=1e-4)
+    seeing = (lengths > 0).float()  # each real query spreads one unit of attention over the slots it sees
+    torch.testing.assert_close(step.sum(-1), seeing, atol=1e-4, rtol=0)
+    assert not step[..., span:].any()

@@ -1,15 +1,15 @@
-"""The GPU efficiency grid: each (model, method, context length) is one ordinary kvbench run
-(``python -m kvbench task=efficiency model=M method=X budget=0.2 task.context_lengths=[N] ...``: same
-composed config, same run id, same files under ``--root``), all in one process so that each model shape is
-built once instead of once per run.
+"""The efficiency grid: each (model, method, context length) is one ordinary kvbench run
+(``python -m kvbench task=efficiency model=M method=X budget=B task.context_lengths=[N] ...``: same composed
+config, same run id, same files under ``--root``), all in one process so that each model is built once.
 
 A run over ``--limit-s`` is stopped (SIGALRM) and recorded as infeasible with the seconds it had used; the
 method's longer contexts are then skipped. Lengths run in order, every method at one length before the
-next. Runs are not started past ``--deadline-s``. Every outcome is a
-line of ``<root>/grid.jsonl``.
+next. Runs are not started past ``--deadline-s``. Every outcome is a line of ``<root>/grid.jsonl``;
+``scripts/efficiency_targets.py`` turns the collected rows into the table of ratios against the targets.
 
-    python3 results/gpu/2026-11-22/run_efficiency.py --root $OUT/eff --models llama3.1-8b-shape-random \
-        --methods streamingllm,snapkv --lengths 16384,32768 --repeats 2 --warmup 1 --new-tokens 32
+    python scripts/efficiency_grid.py --root /tmp/eff --models smollm2-135m-instruct \
+        --methods full,streamingllm,snapkv --lengths 4096 --repeats 3 --warmup 1 --new-tokens 32
+    # on a GPU: --models llama3.1-8b-shape-random --lengths 32768,65536 --override engine.cuda_graphs=true
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def cached_loader():
 
 
 def overrides(args, model: str, method: str, length: int) -> list[str]:
-    out = [f"model={model}", f"method={method}", "budget='0.2'", "task=efficiency",
+    out = [f"model={model}", f"method={method}", f"budget='{args.budget}'", "task=efficiency",
            f"task.context_lengths=[{length}]", f"task.repeats={args.repeats}", f"task.warmup={args.warmup}",
-           f"task.new_tokens={args.new_tokens}", f"results_root={args.root}"]
+           f"task.new_tokens={args.new_tokens}", f"results_root={args.root}", *args.override]
     if args.attn != "sdpa":
         out.append(f"model.attn_implementation={args.attn}")
     return out
@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--budget", default="0.2")
+    parser.add_argument("--override", action="append", default=[],
+                        help="extra config override for every run, e.g. engine.cuda_graphs=true (repeatable)")
     parser.add_argument("--limit-s", type=float, default=120.0)
     parser.add_argument("--deadline-s", type=float, default=500.0)
     args = parser.parse_args()
@@ -83,7 +86,8 @@ def main() -> None:
             stopped_at: dict[str, int] = {}  # method -> the length at which it ran over the limit
             for length in map(int, args.lengths.split(",")):  # every method at a length before the next
                 for method in args.methods.split(","):
-                    entry = {"model": model, "method": method, "context_length": length, "attn": args.attn}
+                    entry = {"model": model, "method": method, "context_length": length, "attn": args.attn,
+                             "overrides": args.override}
                     left = args.deadline_s - (time.perf_counter() - start)
                     if method in stopped_at:
                         entry.update(status="skipped", reason=f"over the limit at {stopped_at[method]}")

@@ -1,0 +1,99 @@
+"""The efficiency targets of issues 12 and 13, target beside measured, from an efficiency results root.
+
+Every ratio comes from one kvbench efficiency run, in which the method, the full cache through kvbench and
+plain ``model.generate`` ran on the same prompt (``kvbench.tasks.efficiency``): nothing is compared across
+runs. Rows are grouped by model, engine switches (CUDA graphs, prefill chunk) and context length.
+
+    python scripts/efficiency_targets.py --root /tmp/eff --profile gpu --out targets.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pandas as pd
+
+PROMPT_ONLY = ("snapkv", "pyramidkv", "kvmerger")
+# (label, methods it applies to, measured ratio, bound, contexts, which runs: graphs / chunk)
+GPU_TARGETS = [
+    ("full TPOT / plain generate", ("full",), "ratio.full_vs_bare.tpot_seconds", 1.10, (32768,), (False, None)),
+    ("TPOT / plain generate", PROMPT_ONLY, "ratio.method_vs_bare.tpot_seconds", 1.00, (32768,), (False, None)),
+    ("TPOT / kvbench full", "decode", "ratio.method_vs_full.tpot_seconds", 1.15, (32768,), (False, None)),
+    ("graphs: full TPOT / plain generate", ("full",), "ratio.full_vs_bare.tpot_seconds", 0.67, (32768,),
+     (True, None)),
+    ("graphs: TPOT / kvbench full", "all", "ratio.method_vs_full.tpot_seconds", 0.85, (65536,), (True, None)),
+    ("TTFT / kvbench full", "all", "ratio.method_vs_full.ttft_seconds", 1.25, (32768,), (False, None)),
+    ("TTFT / kvbench full", "all", "ratio.method_vs_full.ttft_seconds", 1.30, (65536,), (False, None)),
+    ("peak above weights / plain generate", "all", "ratio.method_vs_bare.peak_memory_above_weights_bytes", 0.60,
+     (32768,), (False, None)),
+    ("chunked 4k: peak above weights / plain generate", "all",
+     "ratio.method_vs_bare.peak_memory_above_weights_bytes", 0.30, (32768,), (False, 4096)),
+]
+CPU_TARGETS = [
+    ("full TPOT / plain generate", ("full",), "ratio.full_vs_bare.tpot_seconds", 1.15, (4096,), (False, None)),
+    ("TPOT / kvbench full", "decode", "ratio.method_vs_full.tpot_seconds", 1.30, (4096,), (False, None)),
+    ("TTFT / kvbench full", "all", "ratio.method_vs_full.ttft_seconds", 1.30, (4096,), (False, None)),
+]
+
+
+def load(root: Path) -> pd.DataFrame:
+    frames = [pd.read_parquet(p) for p in sorted((root / "runs").glob("*/metrics.parquet"))]
+    if not frames:
+        raise SystemExit(f"no finished runs under {root / 'runs'}")
+    df = pd.concat(frames, ignore_index=True)
+    df["context"] = df["dataset"].str.extract(r"len(\d+)_").astype(int)
+    df["graphs"] = df.get("engine.cuda_graphs", False).fillna(False).astype(bool)
+    chunk = df.get("engine.prefill_chunk_size")
+    df["chunk"] = None if chunk is None else chunk.astype(object).where(chunk.notna(), None)
+    return df
+
+
+def applies(methods, method: str, decode_time: set[str]) -> bool:
+    if methods == "all":
+        return True
+    if methods == "decode":
+        return method in decode_time
+    return method in methods
+
+
+def table(df: pd.DataFrame, targets: list) -> list[dict]:
+    decode_time = {m for m in df["method"].unique() if m not in PROMPT_ONLY and m != "full"}
+    rows = []
+    for label, methods, metric, bound, contexts, (graphs, chunk) in targets:
+        mask = (df["metric"] == metric) & df["context"].isin(contexts) & (df["graphs"] == graphs)
+        mask &= df["chunk"].isna() if chunk is None else (df["chunk"] == chunk)
+        for (model, method, context), cell in df[mask].groupby(["model", "method", "context"]):
+            if not applies(methods, method, decode_time) or (methods != ("full",) and method == "full"):
+                continue
+            value = float(cell["value"].iloc[0])
+            rows.append({"target": label, "model": model, "context": context, "method": method,
+                         "measured": value, "bound": bound,
+                         "met": "yes" if value <= bound else f"no (+{100 * (value / bound - 1):.0f}%)"})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| target | model | context | method | measured | target | met |", "|---|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        measured = "nan" if math.isnan(r["measured"]) else f"{r['measured']:.2f}"
+        lines.append(f"| {r['target']} | {r['model']} | {r['context']} | {r['method']} | {measured} | "
+                     f"<= {r['bound']:.2f} | {r['met']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--profile", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    text = markdown(table(load(args.root), GPU_TARGETS if args.profile == "gpu" else CPU_TARGETS))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
