@@ -35,6 +35,7 @@ class DecodeGraph:
         self.warm: tuple | None = None  # those of the last eager static-shape step (the capture's warm-up)
         self.delta: list[np.ndarray] = []
         self.ordered: list[bool] = []
+        self.logits: Tensor | None = None
         self.replays = 0
 
     def step(self, tokens: Tensor) -> None:
@@ -47,6 +48,7 @@ class DecodeGraph:
             session.feed(self.tokens, phase="decode")
         elif decisions == self.captured:
             self.graph.replay()
+            session.logits = self.logits  # an eager step in between pointed the session at its own logits
             for layer, delta, ordered in zip(session.cache.layers, self.delta, self.ordered):
                 layer.host_lengths += delta
                 layer.ordered = ordered
@@ -67,6 +69,7 @@ class DecodeGraph:
             session.feed(self.tokens, phase="decode", static_shapes=True)  # recorded, not run: host side only
         self.delta = [layer.host_lengths - b for layer, b in zip(session.cache.layers, before)]
         self.ordered = [layer.ordered for layer in session.cache.layers]
+        self.logits = session.logits  # the graph's output buffer, rewritten by every replay
         self.captured = decisions
         self.graph.replay()  # the captured step itself (its host side already happened during the capture)
 
