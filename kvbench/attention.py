@@ -91,7 +91,7 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     bias = kv.state.get(LOGIT_BIAS)
     q = query.shape[2]
     if q == 1:
-        aligned = None if plan.static_shapes else layer.aligned_length()
+        aligned = None if plan.static_shapes else layer.aligned
         if aligned is not None and bias is None and not wanted:
             output, _ = base(module, query, kv.keys[:, :, :aligned], kv.values[:, :, :aligned], None,
                              scaling=scaling, **kwargs)
@@ -143,11 +143,17 @@ def _register(impl: str) -> str:
 
 @contextmanager
 def attach(model, impl: str):
-    """Route the model's attention through kvbench for the duration of the block; restore it afterwards."""
+    """Route the model's attention through kvbench for the duration of the block; restore it afterwards.
+
+    Re-entrant: inside an attached block (``Engine.generate`` wraps its whole loop) it does nothing, because
+    switching an implementation walks the whole model (a third of a millisecond even for a 2-layer model)."""
     if impl not in BASE_IMPLEMENTATIONS:
         raise ConfigError(f"unknown attn_implementation '{impl}'; accepted: {', '.join(BASE_IMPLEMENTATIONS)}")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_register(impl))
+    previous, name = model.config._attn_implementation, _register(impl)
+    if previous == name:
+        yield
+        return
+    model.set_attn_implementation(name)
     try:
         yield
     finally:

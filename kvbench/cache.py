@@ -53,6 +53,8 @@ class CompressedLayer(CacheLayerMixin):
         super().__init__()
         self.kv: LayerKV | None = None
         self.host_lengths: np.ndarray | None = None  # (B, H) int64, equal to kv.lengths at all times
+        self.longest = 0  # the longest row (host)
+        self.aligned: int | None = None  # the length every row has, None when rows differ (host)
         self.fresh = True  # the current pass is the first over this layer (its prompt pass)
         self.ordered = True  # real slots are in original-token order (in-place removals break it)
         self.storage_version = 0  # bumped whenever the storage tensors are replaced (graphs re-capture)
@@ -64,7 +66,7 @@ class CompressedLayer(CacheLayerMixin):
     def adopt(self, kv: LayerKV, host_lengths: np.ndarray | None = None) -> None:
         """Install ``kv`` as this layer's storage; ``host_lengths`` if the caller knows them (else one read)."""
         self.kv = kv
-        self.host_lengths = kv.lengths.cpu().numpy().copy() if host_lengths is None else host_lengths
+        self._mirror(kv.lengths.cpu().numpy().copy() if host_lengths is None else host_lengths)
         self.ordered = True
         self.storage_version += 1
 
@@ -81,19 +83,16 @@ class CompressedLayer(CacheLayerMixin):
             mine[:, :, :t] = theirs
         old.lengths.copy_(kv.lengths)
         old.zero_padding()
-        self.host_lengths = kv.lengths.cpu().numpy().copy()
+        self._mirror(kv.lengths.cpu().numpy().copy())
         self.ordered = True
 
-    @property
-    def longest(self) -> int:
-        return int(self.host_lengths.max()) if self.host_lengths.size else 0
-
-    def aligned_length(self) -> int | None:
-        """The common length of every row, or None when rows differ (host mirror, no device read)."""
-        if not self.host_lengths.size:
-            return 0
-        t = int(self.host_lengths.flat[0])
-        return t if bool((self.host_lengths == t).all()) else None
+    def _mirror(self, host_lengths: np.ndarray) -> None:
+        """Set the host mirror, with the two facts every pass asks: the longest row, and the common length
+        of all rows (None when they differ). Writes and removals update them arithmetically."""
+        self.host_lengths = host_lengths
+        self.longest = int(host_lengths.max()) if host_lengths.size else 0
+        first = int(host_lengths.flat[0]) if host_lengths.size else 0
+        self.aligned = first if bool((host_lengths == first).all()) else None
 
     def write(self, key_states: Tensor, value_states: Tensor, positions: Tensor, static_shapes: bool) -> None:
         """Write the pass's q new tokens. The first pass adopts the tensors as they are (no copy)."""
@@ -103,16 +102,18 @@ class CompressedLayer(CacheLayerMixin):
             self.kv = LayerKV(keys=key_states, values=value_states,
                               positions=positions.view(B, 1, q).expand(B, H, q).clone(),
                               lengths=torch.full((B, H), q, dtype=torch.long, device=key_states.device))
-            self.host_lengths = np.full((B, H), q, dtype=np.int64)
+            self._mirror(np.full((B, H), q, dtype=np.int64))
             return
         if self.longest + q > self.kv.capacity:
             self.grow(self.longest + q)
-        start = self.aligned_length()
-        if start is not None and not static_shapes:
-            self.kv.write_aligned(start, key_states, value_states, positions)
+        if self.aligned is not None and not static_shapes:
+            self.kv.write_aligned(self.aligned, key_states, value_states, positions)
         else:
             self.kv.write(key_states, value_states, positions)
         self.host_lengths += q
+        self.longest += q
+        if self.aligned is not None:
+            self.aligned += q
 
     def grow(self, capacity: int) -> None:
         """Re-allocate at ``capacity`` slots (geometric, so a cache that outgrows its plan is copied rarely)."""
@@ -122,6 +123,9 @@ class CompressedLayer(CacheLayerMixin):
     def removed_one(self) -> None:
         """Mirror of ``LayerKV.remove_slot``: every row lost one slot."""
         self.host_lengths -= 1
+        self.longest -= 1
+        if self.aligned is not None:
+            self.aligned -= 1
         self.ordered = False
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:

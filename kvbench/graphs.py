@@ -50,7 +50,7 @@ class DecodeGraph:
             self.graph.replay()
             session.logits = self.logits  # an eager step in between pointed the session at its own logits
             for layer, delta, ordered in zip(session.cache.layers, self.delta, self.ordered):
-                layer.host_lengths += delta
+                layer._mirror(layer.host_lengths + delta)
                 layer.ordered = ordered
             session.decode_steps += 1
             self.replays += 1
