@@ -4,7 +4,7 @@ A decode step reads the whole cache once and does little arithmetic, so the work
 one program per (key split, b, kv head) runs the online softmax over its slots for every query head of the
 GQA group at once (the group's heads are the rows of one tile, so each K/V tile is read once), and writes its
 partial (max, sum, weighted values); a second kernel combines the splits into the output and the
-log-sum-exp. With statistics wanted, the first kernel also writes every slot's logit (-inf past the row's
+log-sum-exp, one program per query head reducing all its splits in one tile. With statistics wanted, the first kernel also writes every slot's logit (-inf past the row's
 length) and the step attention is exp(logit - lse) averaged over the group (three small torch ops).
 
 The grid depends only on the storage's capacity and the ``span`` the host passes, never on a device value:
@@ -72,39 +72,35 @@ def _decode_partials(
                     mask=real[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
-    part = pid_bh * n_splits + split
-    tl.store(m_ptr + part * BLOCK_M + rows, m_i)
-    tl.store(l_ptr + part * BLOCK_M + rows, l_i)
-    tl.store(acc_ptr + (part * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :], acc)
+    # partials laid out (b, query head, split) so that the combine reads one head's splits contiguously
+    part = (b * H_kv * GROUP + hq) * n_splits + split
+    tl.store(m_ptr + part, m_i, mask=row_ok)
+    tl.store(l_ptr + part, l_i, mask=row_ok)
+    tl.store(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _decode_combine(
-    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, sob, soh, sod, H_kv, DV, n_splits,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, sob, soh, sod, Hq, DV, n_splits,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b, hkv = pid_bh // H_kv, pid_bh % H_kv
-    rows = tl.arange(0, BLOCK_M)
+    """One program per (b, query head): all its splits at once (n_splits <= BLOCK_S)."""
+    row = tl.program_id(0)
+    b, hq = row // Hq, row % Hq
+    splits = tl.arange(0, BLOCK_S)
+    ok = splits < n_splits
     dv = tl.arange(0, BLOCK_DV)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        m = tl.maximum(m, tl.load(m_ptr + (pid_bh * n_splits + s) * BLOCK_M + rows))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    for s in range(0, n_splits):
-        part = pid_bh * n_splits + s
-        scale = tl.exp2(tl.load(m_ptr + part * BLOCK_M + rows) - m_safe)
-        total += scale * tl.load(l_ptr + part * BLOCK_M + rows)
-        acc += scale[:, None] * tl.load(acc_ptr + (part * BLOCK_M + rows[:, None]) * BLOCK_DV + dv[None, :])
-    out = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
-    hq = hkv * GROUP + rows
-    row_ok = rows < GROUP
-    tl.store(out_ptr + b * sob + hq[:, None] * soh + dv[None, :] * sod, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(total > 0, (m + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + b * H_kv * GROUP + hq, lse, mask=row_ok)
+    m = tl.load(m_ptr + row * n_splits + splits, mask=ok, other=float("-inf"))
+    top = tl.max(m, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    scale = tl.where(ok, tl.exp2(m - top_safe), 0.0)
+    total = tl.sum(scale * tl.load(l_ptr + row * n_splits + splits, mask=ok, other=0.0), 0)
+    acc = tl.load(acc_ptr + (row * n_splits + splits[:, None]) * BLOCK_DV + dv[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * scale[:, None], 0) / tl.maximum(total, 1e-30)
+    out = tl.where(total > 0, out, 0.0)
+    tl.store(out_ptr + b * sob + hq * soh + dv * sod, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    lse = tl.where(total > 0, (top + tl.log2(tl.maximum(total, 1e-30))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + row, lse)
 
 
 @functools.cache
@@ -115,10 +111,13 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile
+
+
 def split_plan(span: int, rows: int, device: torch.device) -> tuple[int, int]:
     """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots."""
     tiles = max(1, triton.cdiv(span, BLOCK_N))
-    n_splits = max(1, min(tiles, triton.cdiv(_programs_wanted(device), rows)))
+    n_splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(_programs_wanted(device), rows)))
     split_size = triton.cdiv(tiles, n_splits) * BLOCK_N
     return split_size, triton.cdiv(span, split_size) if span else 1
 
@@ -134,10 +133,9 @@ def decode_attention(
     group = Hq // Hkv
     block_m, block_dv = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(DV))
     split_size, n_splits = split_plan(span, B * Hkv, query.device)
-    parts = B * Hkv * n_splits
-    m = torch.empty(parts, block_m, dtype=torch.float32, device=query.device)
+    m = torch.empty(B * Hq * n_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
-    acc = torch.empty(parts, block_m, block_dv, dtype=torch.float32, device=query.device)
+    acc = torch.empty(B * Hq * n_splits, block_dv, dtype=torch.float32, device=query.device)
     logits = torch.empty(B, Hq, C, dtype=torch.float32, device=query.device) if want_step else m
     if want_step and span < C:
         logits[:, :, span:] = float("-inf")
@@ -154,9 +152,9 @@ def decode_attention(
     )
     out = query.new_empty(B, Hq, 1, DV)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=query.device)
-    _decode_combine[(B * Hkv,)](
-        m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hkv, DV, n_splits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_DV=block_dv,
+    _decode_combine[(B * Hq,)](
+        m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=block_dv,
     )
     if not want_step:
         return out, None
