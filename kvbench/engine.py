@@ -59,6 +59,9 @@ class Generation:
     tpot_seconds: float  # decode time per generated token (one batched decode step)
     peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
+    # mean over decode steps of the K+V bytes of the real slots that step's attention reads (all layers, this
+    # row, the step's own new slot included): the KV term of the bytes-read bound on TPOT; NaN without decoding
+    decode_kv_bytes_mean: float = float("nan")
 
 
 @dataclass
@@ -250,6 +253,7 @@ class Engine:
         prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         steps = 0
+        kv_read = torch.zeros(B, dtype=torch.long, device=self.device)  # per row, summed over decode steps
         for step in range(max_new_tokens):
             logits = session.logits.float()
             if step < min_new_tokens and stop.numel():  # out of place: the logits are an inference tensor
@@ -267,10 +271,12 @@ class Engine:
                         done[b], stopped[b] = True, "stop_string"
             if all(done) or step == max_new_tokens - 1:
                 break
+            kv_read += self._decode_read_bytes(session.cache)
             session.feed(next_tokens.view(B, 1), phase="decode")
             steps += 1
         _sync(self.device)
         decode_seconds = time.perf_counter() - t1
+        kv_read_mean = (kv_read / steps).tolist() if steps else [float("nan")] * B
         return [
             Generation(
                 tokens=outputs[b],
@@ -287,6 +293,7 @@ class Engine:
                 tpot_seconds=decode_seconds / max(1, steps),
                 peak_memory_bytes=0,
                 stopped_by=stopped[b],
+                decode_kv_bytes_mean=kv_read_mean[b],
             )
             for b in range(B)
         ]
@@ -315,6 +322,18 @@ class Engine:
     @staticmethod
     def cache_row_bytes(cache: CompressedCache, b: int) -> int:
         return sum(layer.kv.nbytes(b) for layer in cache.layers)
+
+    @staticmethod
+    def _decode_read_bytes(cache: CompressedCache) -> Tensor:
+        """(B,) K+V bytes the next decode step's attention reads per row: its real slots plus the slot the step
+        appends to each head (counted before decode-time compression removes one). Stays on the device (no
+        host sync inside the timed decode loop)."""
+        total = 0
+        for layer in cache.layers:
+            kv = layer.kv
+            per_slot = kv.allocated_bytes() // (kv.keys.numel() // kv.keys.shape[-1])
+            total = total + (kv.lengths.sum(dim=1) + kv.lengths.shape[1]) * per_slot
+        return total
 
     @staticmethod
     def _row_share(layer_bytes: list[int], b: int, prompts: list[list[int]]) -> int:
