@@ -72,6 +72,17 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def memory_limit(device: torch.device, cap_bytes: int) -> float | None:
+    """The peak memory (as ``PeakMemory`` reports it) at which a capped try runs out, where that is known:
+    CUDA, what the process reserves now plus the cap; CPU, None (the address-space cap has slack, see
+    ``MemoryCap``, and resident peaks are not what it counts)."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device) + cap_bytes
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or (
         isinstance(err, RuntimeError) and any(m in str(err) for m in OUT_OF_MEMORY_MESSAGES))
@@ -101,12 +112,10 @@ class MemoryCap:
 
     def __enter__(self) -> "MemoryCap":
         if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
             self._previous = torch.cuda.get_per_process_memory_fraction(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
-            held = torch.cuda.memory_reserved(self.device)
-            torch.cuda.set_per_process_memory_fraction(min(1.0, (held + self.cap_bytes) / total), self.device)
+            limit = memory_limit(self.device, self.cap_bytes)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
         return self
 
     def __exit__(self, *exc) -> None:

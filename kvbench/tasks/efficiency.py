@@ -48,7 +48,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from kvbench.budget import Budget
 from kvbench.engine import Engine, _sync
 from kvbench.errors import ConfigError
-from kvbench.hardware import MemoryCap, copy_bandwidth, free_memory_bytes, parameter_bytes_read, tpot_bound_seconds
+from kvbench.hardware import (MemoryCap, copy_bandwidth, free_memory_bytes, memory_limit, parameter_bytes_read,
+                              tpot_bound_seconds)
 from kvbench.memory import PeakMemory
 from kvbench.methods.full import Full
 from kvbench.tasks.base import Prompt, Sample, Task
@@ -232,14 +233,14 @@ class Efficiency(Task):
                 system_engine.generate([prompt], self.new_tokens, stop_token_ids=set(), min_new_tokens=self.new_tokens)
             system_rows: list[dict] = []
 
-            def attempt(batch: int, phase: str) -> bool:
+            def attempt(batch: int, phase: str) -> float | None:
                 row = self._try(system_engine, prompt, batch, cap, detail=system == "method")
                 system_rows.append({"sample_id": f"{sample.id}-{system}-{len(system_rows)}", "system": system,
                                     "phase": phase, "batch_size": batch, **base, **row})
-                return row["fits"]
+                return row["peak_memory_bytes"] if row["fits"] else None
 
             fitted, _ = largest_batch(lambda b: attempt(b, "search"), self.batch_start, self.batch_growth,
-                                      self.batch_precision, self.max_batch)
+                                      self.batch_precision, self.max_batch, memory_limit(device, cap))
             for _ in range(self.repeats - 1 if fitted else 0):
                 attempt(fitted, "repeat")
             rows += system_rows
@@ -337,23 +338,43 @@ def _ratio(num, den) -> float:
     return num / den if num is not None and den and den == den else float("nan")
 
 
-def largest_batch(fits: Callable[[int], bool], start: int, growth: float, precision: float,
-                  max_batch: int) -> tuple[int, int | None]:
-    """(largest batch that fitted or 0, smallest that failed or None). Grows from ``start`` by ``growth``
-    until a batch fails or ``max_batch`` fits, then bisects until failed - fitted <= max(1, precision *
-    fitted). Each ``fits(batch)`` is one real try."""
+def largest_batch(try_batch: Callable[[int], float | None], start: int, growth: float, precision: float,
+                  max_batch: int, memory_limit: float | None = None) -> tuple[int, int | None]:
+    """(largest batch that fitted or 0, smallest that failed or None). ``try_batch(b)`` is one real try: its
+    peak memory, or None when it ran out of memory.
+
+    Grows from ``start`` by ``growth`` until a batch fails or ``max_batch`` fits, then bisects until
+    failed - fitted <= max(1, precision * fitted). With ``memory_limit`` (bytes), the line through the last two
+    fitting tries' peaks predicts the largest batch under it, and a growth step never goes past that
+    prediction (but always grows by one): where memory is linear in the batch (static per-row storage) the
+    search ends with a try at the prediction and one above it, instead of bisecting between long tries.
+    """
     fitted, failed, batch = 0, None, start
+    peaks: dict[int, float] = {}
     while failed is None:
-        if not fits(batch):
+        peak = try_batch(batch)
+        if peak is None:
             failed = batch
         elif batch == max_batch:
             return batch, None
         else:
-            fitted, batch = batch, min(max_batch, max(batch + 1, int(batch * growth)))
+            fitted, peaks[batch] = batch, peak
+            step = max(batch + 1, int(batch * growth))
+            predicted = _predicted_batch(peaks, memory_limit)
+            batch = min(max_batch, step if predicted is None else max(batch + 1, min(step, predicted)))
     while failed - fitted > max(1, precision * fitted):
         middle = (fitted + failed) // 2
-        if fits(middle):
-            fitted = middle
-        else:
+        if try_batch(middle) is None:
             failed = middle
+        else:
+            fitted = middle
     return fitted, failed
+
+
+def _predicted_batch(peaks: dict[int, float], memory_limit: float | None) -> int | None:
+    """The largest batch whose peak stays under the limit on the line through the last two fitting tries."""
+    if memory_limit is None or len(peaks) < 2:
+        return None
+    (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]
+    per_row = (p2 - p1) / (b2 - b1)
+    return b2 + int((memory_limit - p2) // per_row) if per_row > 0 else None

@@ -74,27 +74,47 @@ def test_latency_rows_carry_the_bound_by_hand(tiny_lm):
     assert metrics["memory_bandwidth_gbps"] == pytest.approx(2e-6)
 
 
-def replay(outcomes: dict[int, bool], **search) -> tuple[list[int], tuple]:
+def replay(outcome, **search) -> tuple[list[int], tuple]:
+    """The search over ``outcome(batch)`` (a peak in bytes, or None for out of memory); the batches tried."""
     tried = []
 
-    def fits(batch: int) -> bool:
+    def try_batch(batch: int) -> float | None:
         tried.append(batch)
-        return outcomes[batch] if isinstance(outcomes, dict) else outcomes(batch)
+        return outcome(batch)
 
-    return tried, largest_batch(fits, **search)
+    return tried, largest_batch(try_batch, **search)
+
+
+def fits_up_to(threshold: int, peak=lambda b: 1.0):
+    return lambda b: peak(b) if b <= threshold else None
+
+
+SEARCH = dict(start=1, growth=2, precision=0, max_batch=4096)
 
 
 @pytest.mark.parametrize("threshold,search,tried,result", [
-    (13, dict(start=1, growth=2, precision=0, max_batch=4096), [1, 2, 4, 8, 16, 12, 14, 13], (13, 14)),
-    (13, dict(start=1, growth=2, precision=0.25, max_batch=4096), [1, 2, 4, 8, 16, 12, 14], (12, 14)),
-    (5, dict(start=32, growth=2, precision=0, max_batch=4096), [32, 16, 8, 4, 6, 5], (5, 6)),
-    (100, dict(start=1, growth=2, precision=0, max_batch=10), [1, 2, 4, 8, 10], (10, None)),
-    (0, dict(start=1, growth=2, precision=0, max_batch=10), [1], (0, 1)),
-    (9, dict(start=1, growth=1.5, precision=0, max_batch=4096), [1, 2, 3, 4, 6, 9, 13, 11, 10], (9, 10)),
+    (13, SEARCH, [1, 2, 4, 8, 16, 12, 14, 13], (13, 14)),
+    (13, {**SEARCH, "precision": 0.25}, [1, 2, 4, 8, 16, 12, 14], (12, 14)),
+    (5, {**SEARCH, "start": 32}, [32, 16, 8, 4, 6, 5], (5, 6)),
+    (100, {**SEARCH, "max_batch": 10}, [1, 2, 4, 8, 10], (10, None)),
+    (0, SEARCH, [1], (0, 1)),
+    (9, {**SEARCH, "growth": 1.5}, [1, 2, 3, 4, 6, 9, 13, 11, 10], (9, 10)),
 ])
 def test_search_grows_geometrically_then_bisects(threshold, search, tried, result):
-    seen, found = replay(lambda b: b <= threshold, **search)
-    assert (seen, found) == (tried, result)
+    assert replay(fits_up_to(threshold), **search) == (tried, result)
+
+
+def linear_peak(b):  # bytes: 10 fixed + 3 per row; a 100-byte limit fits 30 rows
+    return 10.0 + 3 * b
+
+
+@pytest.mark.parametrize("threshold,tried,result", [
+    (30, [1, 2, 4, 8, 16, 30, 31], (30, 31)),  # the line is right: the prediction, then one above it
+    (27, [1, 2, 4, 8, 16, 30, 23, 26, 28, 27], (27, 28)),  # optimistic (fragmentation): bisection takes over
+    (33, [1, 2, 4, 8, 16, 30, 31, 32, 33, 34], (33, 34)),  # pessimistic: growth by one past the prediction
+])
+def test_search_steps_no_further_than_the_memory_line_predicts(threshold, tried, result):
+    assert replay(fits_up_to(threshold, linear_peak), **SEARCH, memory_limit=100.0) == (tried, result)
 
 
 def test_memory_cap_returns_a_real_cpu_out_of_memory_and_raises_other_errors():
@@ -163,7 +183,7 @@ def check_throughput_run(tries: pd.DataFrame, metrics: dict, cap_gib: float) -> 
         search = mine[mine.phase == "search"]
         # the recorded tries are exactly the search's sequence for the recorded outcomes
         outcomes = dict(zip(search.batch_size, search.fits))
-        seen, (fitted, failed) = replay(outcomes, start=1, growth=2.0, precision=0.0, max_batch=4096)
+        seen, (fitted, failed) = replay(lambda b: 1.0 if outcomes[b] else None, **SEARCH)
         assert seen == search.batch_size.tolist()
         # a real out-of-memory, recorded as a result: the batch just above the largest that fitted
         assert fitted >= 1 and failed == fitted + 1
@@ -196,7 +216,7 @@ def test_throughput_cell_with_the_full_cache_as_method_searches_once(tiny_lm, mo
                       memory_bandwidth_gbps=1.0, memory_cap_gib=1.0, max_batch=2)
     calls = []
     monkeypatch.setattr(Efficiency, "_try", lambda self, engine, prompt, batch, cap, detail: calls.append(batch)
-                        or {"fits": True, "error": "", "tpot_seconds": 1.0})
+                        or {"fits": True, "error": "", "tpot_seconds": 1.0, "peak_memory_bytes": 1})
     rows = task.predict([Sample(id="len8-throughput", context="", meta={"dataset": "len8_throughput",
                                                                          "context_length": 8})],
                         tiny_lm, Engine(tiny_lm.model, Full(), Budget("fraction", 1.0)))
