@@ -13,9 +13,10 @@ prompts:
 
 ``mode=throughput``: per context length, the largest batch that fits a memory cap is searched for the method
 and for the full cache (grow geometrically from ``batch_start`` by ``batch_growth`` until a batch fails, then
-bisect until the gap is at most ``batch_precision`` of the batch that fitted; every try is a real
-``engine.generate`` decoding ``new_tokens``), and the tries at that batch (the search's own and
-``repeats - 1`` more) give tokens/s, TPOT and peak memory. The cap (``memory_cap_gib``, default the device's
+bisect until the gap is at most ``batch_precision`` of the batch that fitted; on CUDA a growth step stops at
+the batch the peak-memory line of the last two tries predicts; every try is a real ``engine.generate``
+decoding ``new_tokens``), and the tries at that batch (the search's own and ``repeats - 1`` more) give
+tokens/s, TPOT and peak memory. The cap (``memory_cap_gib``, default the device's
 free memory) is what a batch may use beyond what the process holds when the search starts (the weights). An
 out-of-memory is a result (the try's row: ``fits`` false, the error), never a crash:
   CUDA: the caching allocator is capped with ``torch.cuda.set_per_process_memory_fraction`` (restored
@@ -23,6 +24,10 @@ out-of-memory is a result (the try's row: ``fits`` false, the error), never a cr
   CPU:  each try runs in a forked child whose address space is capped (RLIMIT_AS = its size at fork + the
         cap), so the allocator really fails; children run single-threaded, because GNU OpenMP hangs in a
         forked child that enters a parallel region with the parent's thread pool.
+
+Tokens/s [I]: the papers' throughput claims (EMS, D2O, Chelsea) compare decoding; ``decode_tokens_per_second``
+= batch / TPOT is that number, ``throughput_tokens_per_second`` = batch x new tokens / (TTFT + decode time) the
+end-to-end one (at long contexts and few new tokens, prefill dominates it).
 
 The bytes-read bound, for every cell: a decode step must read every weight once and the K+V bytes attention
 reads, so TPOT >= (parameter bytes + KV bytes read per step) / memory bandwidth. Parameter bytes count every

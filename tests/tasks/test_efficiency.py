@@ -199,7 +199,7 @@ def check_throughput_run(tries: pd.DataFrame, metrics: dict, cap_gib: float) -> 
 
 
 def test_throughput_mode_searches_batches_until_a_real_out_of_memory_on_cpu(tmp_path):
-    # [I] the tiny model, not SmolLM2: SmolLM2 needs ~35 s of CPU for the same search (test below, slow);
+    # the tiny model, not SmolLM2: SmolLM2 needs ~35 s of CPU for the same search (the slow test below);
     # 2,048-token rows make a batch's memory grow fast while its compute stays small
     tries, metrics = run_throughput(tmp_path, "tiny-llama-random", 2048, 0.02)
     check_throughput_run(tries, metrics, 0.02)
