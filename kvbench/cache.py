@@ -167,6 +167,10 @@ class CompressedCache(Cache):
         """(L, B, H) real slots per layer and head (from the host mirror: no device read)."""
         return torch.from_numpy(np.stack([layer.host_lengths for layer in self.layers]))
 
+    def row_bytes(self) -> np.ndarray:
+        """(B,) K+V bytes of every row's real slots, all layers (host mirror)."""
+        return sum(layer.host_lengths.sum(-1) * layer.kv.slot_bytes for layer in self.layers)
+
     def nbytes(self) -> int:
         return sum(layer.kv.nbytes() for layer in self.layers)
 

@@ -427,7 +427,7 @@ class Engine:
     @staticmethod
     def row_bytes(cache: CompressedCache, b: int) -> int:
         """K+V bytes of row b's real slots (host mirror)."""
-        return int(sum(layer.host_lengths[b].sum() * layer.kv.slot_bytes for layer in cache.layers))
+        return int(cache.row_bytes()[b])
 
     # -- greedy generation ------------------------------------------------------------------------------
 
@@ -462,7 +462,7 @@ class Engine:
         done = [False] * B
         stopped = ["max_new_tokens"] * B
         stop = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=self.device)
-        kv_read = np.zeros(B)
+        kv_read, token_bytes = np.zeros(B), self._token_bytes(session.cache)
         graph = DecodeGraph(session) if self.cuda_graphs else None
         t1 = time.perf_counter()
         steps = 0
@@ -482,11 +482,11 @@ class Engine:
                         done[b], stopped[b] = True, "stop_string"
             if all(done) or step == max_new_tokens - 1:
                 break
+            kv_read += session.cache.row_bytes() + token_bytes  # what this step's attention reads: cache + new token
             if graph is None:
                 session.feed(next_tokens.view(B, 1), phase="decode")
             else:
                 graph.step(next_tokens)
-            kv_read += [self.row_bytes(session.cache, b) for b in range(B)]
             steps += 1
         _sync(self.device)
         decode_seconds = time.perf_counter() - t1

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from kvbench.errors import ConfigError
-from kvbench.report import data, paper, plots, render, tables
+from kvbench.report import data, efficiency, paper, plots, render, tables
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "report" / "default.yaml"
 
@@ -77,12 +77,12 @@ def make_plots(cfg, built: list, metrics, predictions, out: Path) -> list[Path]:
     formats = list(cfg.plots.formats)
     order = list(cfg.table.method_order)
     paths = plots.needle_heatmaps(predictions, dict(cfg.plots.needle_metric), order, out, formats)
-    for table in (t for t in built if t.task != "efficiency"):  # efficiency has its own figure
+    for table in (t for t in built if not t.task.startswith(efficiency.TASK)):  # efficiency has its own figures
         budgets = metrics[metrics["task"] == table.task].drop_duplicates(["model", "budget"])
         paths += plots.score_vs_budget(table, budgets, out, formats)
     paths += plots.perplexity_curves(metrics, cfg.plots.pg19_curve, out, formats)
     paths += plots.kept_ratio(predictions, order, out, formats)
-    paths += plots.efficiency(plots.efficiency_points(metrics, predictions), out, formats)
+    paths += efficiency.figures(metrics, predictions, order, out, formats)
     return paths
 
 
@@ -91,7 +91,7 @@ def report(cfg) -> list[Path]:
     metrics = data.apply_filters(results.metrics, OmegaConf.to_container(cfg.filters))
     if metrics.empty:
         raise ConfigError(f"no results under '{cfg.root}' pass the filters {OmegaConf.to_container(cfg.filters)}")
-    metrics = data.label_rows(metrics)
+    metrics = data.label_rows(efficiency.table_per_mode(metrics))
     predictions = data.labelled_predictions(results, metrics)
     reference = paper.reference() if cfg.table.paper else None
     out = Path(cfg.out)

@@ -1,5 +1,5 @@
 """Figures (matplotlib, PNG + PDF): NIAH/passkey heatmaps (depth x length), score vs budget, PG19 perplexity
-vs position, realized kept ratio per layer x head, and TPOT / peak memory vs context length."""
+vs position, realized kept ratio per layer x head. Efficiency figures are in ``efficiency.py``."""
 
 from __future__ import annotations
 
@@ -156,41 +156,4 @@ def kept_ratio(predictions: pd.DataFrame, order: list[str], out: Path, formats) 
             fig.colorbar(image, ax=axes[0].tolist(), label="kept / prompt length")
             fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
             paths += save(fig, out, _name("kept", task, model, budget), formats)
-    return paths
-
-
-def efficiency_points(metrics: pd.DataFrame, predictions: pd.DataFrame) -> pd.DataFrame:
-    """Columns task, model, budget, row_method, context_length, tpot_seconds, peak_memory_bytes: the
-    efficiency task's medians (batch size 1 cells), else per-sample timings of tasks with a context length."""
-    eff = metrics[(metrics["task"] == "efficiency") & metrics["metric"].isin(["method.tpot_seconds", "method.peak_memory_bytes"])]
-    if len(eff):
-        cell = eff["dataset"].str.extract(r"len(\d+)_bs(\d+)").astype(int)
-        eff = eff[cell[1] == 1].assign(context_length=cell[0], measure=eff["metric"].str[len("method."):])
-        return eff.pivot_table(index=["task", "model", "budget", "row_method", "context_length"], columns="measure",
-                               values="value").reset_index()
-    if "meta.context_length" not in predictions:
-        return pd.DataFrame()
-    rows = predictions.dropna(subset=["meta.context_length", "tpot_seconds"])
-    return rows.groupby(["task", "model", "budget", "row_method", "meta.context_length"]).agg(
-        tpot_seconds=("tpot_seconds", "median"), peak_memory_bytes=("peak_memory_bytes", "max")).reset_index().rename(
-        columns={"meta.context_length": "context_length"})
-
-
-def efficiency(points: pd.DataFrame, out: Path, formats) -> list[Path]:
-    paths = []
-    for task, task_points in (points.groupby("task") if len(points) else []):
-        for model, budget, frame in _methods_by_budget(task_points):
-            fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
-            for method, line in frame.groupby("row_method"):
-                line = line.sort_values("context_length")
-                style = dict(marker="o", label=_method_label(method), linestyle="--" if method == "full" else "-")
-                axes[0].plot(line["context_length"], 1000 * line["tpot_seconds"], **style)
-                axes[1].plot(line["context_length"], line["peak_memory_bytes"] / 2**20, **style)
-            axes[0].set_ylabel("TPOT (ms)")
-            axes[1].set_ylabel("peak memory (MiB)")
-            for ax in axes:
-                ax.set_xlabel("context length (tokens)")
-            axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-            fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
-            paths += save(fig, out, _name("efficiency", task, model, budget), formats)
     return paths
