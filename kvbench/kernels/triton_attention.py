@@ -33,6 +33,8 @@ LOG2E = 1.4426950408889634
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 64  # keys per tile
 MAX_BLOCK_M = 64  # rows (group heads x queries) per tile
+# column sums (keys per program, queries per tile, warps, pipeline stages): the costly pass of long prompts
+COLUMN_SUMS_TILES = (64, 64, 4, 2) if INTERPRETED else (128, 64, 8, 2)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def _column_sums(
     sqb, sqh, sqq, sqd, skb, skh, skt, skd, slb, slh, slq,
     H_kv, Q, T, D, scale_log2, window_start,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b, hkv = pid_bh // H_kv, pid_bh % H_kv
@@ -97,19 +99,29 @@ def _column_sums(
     if UPCAST:
         k = k.to(tl.float32)
     kpos = tl.load(kpos_ptr + pid_bh * T + cols, mask=cols < T, other=2147483647)
-    first_visible = tl.min(kpos)  # a row tile whose queries all precede it sees nothing of this key tile
+    # Queries come in position order, so those that precede every key of this tile form a prefix: find its
+    # end by binary search and start there (a causal prompt skips about half of the work).
+    first_visible = tl.min(kpos)
+    lo = 0
+    hi = Q
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        before = tl.load(qpos_ptr + b * Q + tl.minimum(mid, Q - 1)) < first_visible
+        lo = tl.where((lo < hi) & before, mid + 1, lo)
+        hi = tl.where((lo < hi) & ~before, mid, hi)
+    start = (lo // BLOCK_M) * BLOCK_M
     col = tl.zeros((BLOCK_N,), tl.float32)
     win = tl.zeros((BLOCK_N,), tl.float32)
-    for start in range(0, GROUP * Q, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        row_ok = rows < GROUP * Q
-        hq, qi = hkv * GROUP + rows // Q, rows % Q
-        qpos = tl.load(qpos_ptr + b * Q + qi, mask=row_ok, other=-1)
-        if tl.max(qpos) >= first_visible:  # causal prompts skip about half the tiles
-            q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + qi[:, None] * sqq + d[None, :] * sqd,
+    for g in range(GROUP):
+        hq = hkv * GROUP + g
+        for i0 in range(start, Q, BLOCK_M):
+            qi = i0 + tl.arange(0, BLOCK_M)
+            row_ok = qi < Q
+            q = tl.load(q_ptr + b * sqb + hq * sqh + qi[:, None] * sqq + d[None, :] * sqd,
                         mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
+            qpos = tl.load(qpos_ptr + b * Q + qi, mask=row_ok, other=-1)
             lse = tl.load(lse_ptr + b * slb + hq * slh + qi * slq, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 - lse[:, None] * 1.4426950408889634
             p = tl.where(kpos[None, :] <= qpos[:, None], tl.exp2(s), 0.0)
@@ -171,13 +183,15 @@ def column_sums_from_lse(
     col = torch.empty(B, Hkv, T, dtype=torch.float32, device=query.device)
     win = torch.empty_like(col)
     lse = lse.float()
-    grid = (triton.cdiv(T, BLOCK_N), B * Hkv)
+    block_n, block_m, warps, stages = COLUMN_SUMS_TILES
+    grid = (triton.cdiv(T, block_n), B * Hkv)
     _column_sums[grid](
         query, keys, lse, kpos, qpos, col, win,
         *query.stride(), *keys.stride(), *lse.stride(),
         Hkv, Q, T, D, scaling * LOG2E, Q - window if window > 0 else Q,
-        GROUP=group, BLOCK_M=min(MAX_BLOCK_M, _block(group * Q)), BLOCK_N=BLOCK_N, BLOCK_D=_block(D),
-        PRECISION=_precision(query), UPCAST=INTERPRETED,
+        GROUP=group, BLOCK_M=min(block_m, _block(Q)), BLOCK_N=block_n, BLOCK_D=_block(D),
+        SEARCH_STEPS=max(1, Q.bit_length()), PRECISION=_precision(query), UPCAST=INTERPRETED,
+        num_warps=warps, num_stages=stages,
     )
     return col, (win if window > 0 else None)
 
