@@ -9,9 +9,10 @@ row at a time) and the paths below know their masking rule.
 
 Paths, chosen per layer and pass from the cache's host mirror (never from a device value):
 - the prompt pass over an empty layer runs the wrapped implementation, causally, so the full-cache method is
-  numerically identical to plain ``generate``; when the method wants statistics, the forward comes from an
-  attention that also returns the log-sum-exp (FlashAttention's own on CUDA) and the statistics from one
-  column-sum pass over Q and K with that lse: never a second attention;
+  numerically identical to plain ``generate``; when the method wants column sums over every query, the
+  forward comes from an attention that also returns the log-sum-exp (cuDNN's on CUDA) and the statistics
+  from one column-sum pass over Q and K with that lse: never a second attention; statistics of the last
+  ``window`` queries alone take the window's lse apart;
 - a one-query pass over rows of one common length, with no statistics and no per-slot bias, runs the wrapped
   implementation over the first ``length`` slots (decode as plain ``generate`` does it);
 - any other one-query pass runs ``decode_attention`` (split-K over the storage, per-row lengths, optional
@@ -35,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvbench.cache import CompressedCache, CompressedLayer, PassPlan
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
-from kvbench.kernels.column_sums import causal_attention_lse, column_sums_from_lse
+from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kv import LOGIT_BIAS, AttentionStats
 
@@ -63,25 +64,32 @@ def _base_function(impl: str):
 
 
 def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, kwargs):
-    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics."""
+    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics.
+
+    Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse``.
+    Statistics of the last ``window`` queries alone need only theirs: the wrapped implementation runs the
+    forward and the window's lse is computed apart (a window of 32 rows costs a few percent of a pass)."""
     wanted = plan.wanted & ATTENTION_STATS
-    if not wanted:
-        output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
-        return output, {}
-    output, lse = causal_attention_lse(query, key, value, scaling)
     B, _, Q, _ = query.shape
     key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
     key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
-    q, q_lse, q_pos = query, lse, plan.query_positions
-    if not wanted & {"column_sums", "step_attention"}:  # only the last `window` queries matter: skip the rest
-        q, q_lse, q_pos = query[:, :, -plan.window:], lse[:, :, -plan.window:], q_pos[:, -plan.window:]
-    col, win = column_sums_from_lse(q, key, q_lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
+    if wanted & {"column_sums", "step_attention"}:
+        output, lse = causal_attention_lse(query, key, value, scaling)
+        q, q_pos = query, plan.query_positions
+        output = output.transpose(1, 2).contiguous()
+    else:
+        output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
+        if not wanted:
+            return output, {}
+        q, q_pos = query[:, :, -plan.window:], plan.query_positions[:, -plan.window:]
+        _, lse = attention_lse(q, key, None, key_valid, key_pos, q_pos, scaling)
+    col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
     stats = {"window_column_sums": win} if win is not None else {}
     if "column_sums" in wanted:
         stats["column_sums"] = col
     if "step_attention" in wanted:
         stats["step_attention"] = col
-    return output.transpose(1, 2).contiguous(), stats
+    return output, stats
 
 
 def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan: PassPlan, kwargs):

@@ -25,26 +25,30 @@ def causal_attention_lse(query: Tensor, keys: Tensor, values: Tensor, scaling: f
     """The prompt pass's causal self-attention and its log-sum-exp, in one pass.
 
     query (B, H_q, Q, D); keys/values (B, H_kv, Q, D), the same Q tokens, unpadded. Returns the output
-    (B, H_q, Q, D_v) in query's dtype and lse (B, H_q, Q) float32 (natural log). The FlashAttention kernels
-    PyTorch ships compute the lse anyway and return it (CPU: the same kernel ``scaled_dot_product_attention``
-    runs, so the output is bit-identical to the wrapped sdpa's); a float32 CUDA prompt, which FlashAttention
-    does not take, goes through ``attention_lse``.
+    (B, H_q, Q, D_v) in query's dtype and lse (B, H_q, Q) float32 (natural log). The fused kernels PyTorch
+    ships compute the lse anyway and return it: on CUDA cuDNN's (as fast as the sdpa the full cache runs;
+    FlashAttention's where cuDNN refuses the inputs), on the CPU the kernel ``scaled_dot_product_attention``
+    itself runs, so the output is bit-identical to the wrapped sdpa's. A float32 CUDA prompt, which neither
+    takes, goes through ``attention_lse``.
     """
-    group = query.shape[1] // keys.shape[1]
+    B, Hq, Q, _ = query.shape
+    group = Hq // keys.shape[1]
     if query.is_cuda and query.dtype == torch.float32:
-        Q = query.shape[2]
-        pos = torch.arange(Q, device=query.device).expand(query.shape[0], Q)
+        pos = torch.arange(Q, device=query.device).expand(B, Q)
         key_pos = pos.unsqueeze(1).expand(-1, keys.shape[1], -1)
         return attention_lse(query, keys, values, torch.ones_like(key_pos, dtype=torch.bool), key_pos, pos, scaling)
     k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
     v = values.repeat_interleave(group, dim=1) if group > 1 else values
-    if query.is_cuda:
+    if not query.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True, scale=scaling)
+        return out, lse.float()
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(query, k, v, None, True, 0.0, True, False,
+                                                                        scale=scaling)[:2]
+    except RuntimeError:  # no cuDNN attention for these inputs or this GPU
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, k, v, 0.0, True, False,
                                                                         scale=scaling)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True,
-                                                                                scale=scaling)
-    return out, lse.float()
+    return out, lse.reshape(B, Hq, Q).float()
 
 
 def attention_lse(
