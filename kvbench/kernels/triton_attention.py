@@ -98,7 +98,7 @@ def _column_sums(
                 mask=(cols[:, None] < T) & (d[None, :] < D), other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    kpos = tl.load(kpos_ptr + pid_bh * T + cols, mask=cols < T, other=2147483647)
+    kpos = tl.load(kpos_ptr + pid_bh * T + cols, mask=cols < T, other=2147483647)  # padding keys: never seen
     # Queries come in position order, so those that precede every key of this tile form a prefix: find its
     # end by binary search and start there (a causal prompt skips about half of the work).
     first_visible = tl.min(kpos)
@@ -110,6 +110,7 @@ def _column_sums(
         lo = tl.where((lo < hi) & before, mid + 1, lo)
         hi = tl.where((lo < hi) & ~before, mid, hi)
     start = (lo // BLOCK_M) * BLOCK_M
+    last_key = tl.max(tl.where(cols < T, kpos, -1))
     col = tl.zeros((BLOCK_N,), tl.float32)
     win = tl.zeros((BLOCK_N,), tl.float32)
     for g in range(GROUP):
@@ -122,11 +123,16 @@ def _column_sums(
             if UPCAST:
                 q = q.to(tl.float32)
             qpos = tl.load(qpos_ptr + b * Q + qi, mask=row_ok, other=-1)
-            lse = tl.load(lse_ptr + b * slb + hq * slh + qi * slq, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2 - lse[:, None] * 1.4426950408889634
-            p = tl.where(kpos[None, :] <= qpos[:, None], tl.exp2(s), 0.0)
-            col += tl.sum(p, 0)
-            win += tl.sum(tl.where((qi >= window_start)[:, None], p, 0.0), 0)
+            lse = tl.load(lse_ptr + b * slb + hq * slh + qi * slq, mask=row_ok, other=float("inf"))
+            # keys as rows: the sum over queries runs along each thread's own accumulator row (as a
+            # FlashAttention forward sums its rows), not across warps
+            s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2 - lse[None, :] * 1.4426950408889634
+            p = tl.exp2(s)  # padding queries have lse +inf: 0
+            if tl.min(qpos) < last_key:  # a tile on the causal diagonal (or with padding queries)
+                p = tl.where(kpos[:, None] <= qpos[None, :], p, 0.0)
+            col += tl.sum(p, 1)
+            if i0 + BLOCK_M > window_start:
+                win += tl.sum(tl.where((qi >= window_start)[None, :], p, 0.0), 1)
     tl.store(col_ptr + pid_bh * T + cols, col / GROUP, mask=cols < T)
     tl.store(win_ptr + pid_bh * T + cols, win / GROUP, mask=cols < T)
 
