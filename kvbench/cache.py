@@ -75,6 +75,7 @@ class CompressedLayer(CacheLayerMixin):
         captured CUDA graph keeps reading the same tensors), else adopted."""
         old = self.kv
         if kv.capacity > old.capacity or set(kv.state) != set(old.state):
+            kv.pack_state()
             self.adopt(kv)
             return
         t = kv.capacity
@@ -118,6 +119,7 @@ class CompressedLayer(CacheLayerMixin):
     def grow(self, capacity: int) -> None:
         """Re-allocate at ``capacity`` slots (geometric, so a cache that outgrows its plan is copied rarely)."""
         self.kv.resize(max(capacity, self.kv.capacity + self.kv.capacity // 2))
+        self.kv.pack_state()
         self.storage_version += 1
 
     def removed_one(self) -> None:

@@ -183,7 +183,7 @@ class Session:
                 if not (excess > 0).any():
                     continue
                 if in_place and (excess == 1).all():
-                    layer.kv.remove_slot(method.evict_one(index, layer.kv, stats, self.layer_n_keep[index]))
+                    method.evict_one(index, layer.kv, stats, self.layer_n_keep[index])
                     layer.removed_one()
                 else:
                     kv, stats = engine._ordered(layer, stats)
@@ -382,6 +382,7 @@ class Engine:
                 capacity = length + max_new_tokens
             if capacity != layer.kv.capacity:
                 layer.kv.resize(max(capacity, layer.longest))
+            layer.kv.pack_state()
 
     def _batch(self, rows: list[Session], timer: DeviceTimer) -> Session:
         """Copy the rows' caches into one batch storage per layer (capacity: the largest row's plan)."""
@@ -406,6 +407,7 @@ class Engine:
                 for name, s in part.kv.state.items():
                     kv.state[name][b, :, :t] = s[0]
                 part.kv = None  # free the row's copy before the next layer is copied
+            kv.pack_state()
             layer.adopt(kv, np.concatenate([part.host_lengths for part in parts]))
             layer.ordered = all(part.ordered for part in parts)
             layer.fresh = False

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
+
 
 @dataclass
 class LayerKV:
@@ -23,6 +25,8 @@ class LayerKV:
     lengths:      (B, H_kv) long, number of real slots per row.
     state:        name -> (B, H_kv, T) per-slot method state (accumulated attention, merge mass, ...);
                   it moves with its slot on every gather and new slots start at zero.
+    state_block:  (S, B, H_kv, T) float32 when every state entry is a view of it (``pack_state``: the
+                  engine's decode storage), so that an in-place slot move takes one operation for all states.
     """
 
     keys: Tensor
@@ -30,6 +34,7 @@ class LayerKV:
     positions: Tensor
     lengths: Tensor
     state: dict[str, Tensor] = field(default_factory=dict)
+    state_block: Tensor | None = field(default=None, repr=False)
 
     @property
     def capacity(self) -> int:
@@ -115,8 +120,12 @@ class LayerKV:
         self.values.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]),
                              values.to(self.values.dtype))
         self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q))
-        for s in self.state.values():
-            s.scatter_(2, slot, 0.0)
+        block = self.packed_state()
+        if block is not None:
+            block.scatter_(3, slot.expand(block.shape[0], *slot.shape), 0.0)
+        else:
+            for s in self.state.values():
+                s.scatter_(2, slot, 0.0)
         self.lengths += q
 
     def write_aligned(self, start: int, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -125,24 +134,52 @@ class LayerKV:
         self.keys.narrow(2, start, q).copy_(keys)  # narrow + copy_: the cheapest slice write from Python
         self.values.narrow(2, start, q).copy_(values)
         self.positions.narrow(2, start, q).copy_(positions.view(B, 1, q))
-        for s in self.state.values():
-            s.narrow(2, start, q).zero_()
+        block = self.packed_state()
+        for s in (self.state.values() if block is None else (block,)):
+            s.narrow(-1, start, q).zero_()
         self.lengths += q
+
+    def pack_state(self) -> None:
+        """Stack every per-slot state into ``state_block`` and make the entries views of it (float32 states)."""
+        if any(t.dtype != torch.float32 for t in self.state.values()):
+            return
+        names = list(self.state)
+        shape = (len(names), *self.positions.shape)
+        block = torch.stack([self.state[n] for n in names]) if names else self.keys.new_zeros(shape,
+                                                                                           dtype=torch.float32)
+        self.state_block = block
+        self.state = {name: block[i] for i, name in enumerate(names)}
+
+    def packed_state(self) -> Tensor | None:
+        """``state_block`` if every state entry still views it (a method may have replaced one), else None."""
+        block = self.state_block
+        if block is None or len(self.state) != block.shape[0]:
+            return None
+        ok = all(t.data_ptr() == block[i].data_ptr() and t.shape == block.shape[1:]
+                 for i, t in enumerate(self.state.values()))
+        return block if ok else None
 
     def remove_slot(self, victim: Tensor) -> None:
         """Remove slot ``victim`` (B, H) of every row in place: the row's last slot moves into it and the row
         shrinks by one (one slot copied per row instead of a re-gathered cache). Slots are no longer in
         positional order afterwards, and the vacated slot keeps stale data past the length: the engine
-        restores order and clears padding (``sorted_by_position``, ``zero_padding``) before any
-        order-dependent ``Method.compress``."""
-        last = (self.lengths - 1).unsqueeze(-1)  # (B, H, 1)
-        dest = victim.unsqueeze(-1)
-        for t in (self.keys, self.values):
-            rows = last.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])
-            t.scatter_(2, dest.unsqueeze(-1).expand_as(rows), t.gather(2, rows))
-        for t in (self.positions, *self.state.values()):
-            t.scatter_(2, dest, t.gather(2, last))
-        self.lengths -= 1
+        restores order and clears padding before any order-dependent ``Method.compress``."""
+        block = self.packed_state()
+        if block is None:  # states one by one, then the rest with an empty block
+            last = (self.lengths - 1).unsqueeze(-1)
+            for t in self.state.values():
+                t.scatter_(2, victim.unsqueeze(-1), t.gather(2, last))
+            block = self.keys.new_zeros((0, *self.positions.shape), dtype=torch.float32)
+        move_last_into(victim, self.lengths, self.keys, self.values, self.positions, block)
+
+    def evict_lowest(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> None:
+        """Remove, in place, each row's lowest-scoring slot outside its first ``sinks`` slots and its
+        ``recent`` newest positions ((B, H) each; ``kernels.slots.select_lowest``)."""
+        block = self.packed_state()
+        if block is None:
+            self.remove_slot(select_lowest(scores, self.lengths, self.positions, sinks, recent))
+        else:
+            evict_lowest(scores, self.lengths, self.positions, sinks, recent, self.keys, self.values, block)
 
     def sorted_by_position(self) -> "LayerKV":
         """A copy whose real slots are in original-token order (after in-place removals), padding cleared."""

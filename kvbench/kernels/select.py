@@ -85,19 +85,3 @@ def topk_mask(scores: Tensor, count: Tensor) -> Tensor:
                                             .expand_as(order).contiguous())
     return (rank < count.unsqueeze(-1)) & torch.isfinite(scores)
 
-
-def lowest_unprotected(scores: Tensor, valid: Tensor, protected: Tensor) -> Tensor:
-    """(B, H) slot of the lowest score among the real, unprotected slots of each row (ties: lowest slot).
-
-    The one-slot eviction of ``keep_topk`` for a row holding one slot more than it keeps, on storage in any
-    slot order (in-place decode compression)."""
-    return torch.where(valid & ~protected, scores.float(), torch.inf).argmin(-1)
-
-
-def newest(positions: Tensor, valid: Tensor, count: Tensor) -> Tensor:
-    """(B, H, T) bool: slots holding one of the ``count`` (B, H, 1) newest tokens of their row, by position.
-
-    Positions of a row's newest tokens are contiguous whenever its recent window was always kept (every
-    method that protects one), so a threshold on the newest position finds them in any slot order."""
-    top = torch.where(valid, positions, -1).amax(-1, keepdim=True)
-    return valid & (positions > top - count)

@@ -96,11 +96,11 @@ class Method:
         """
         raise NotImplementedError
 
-    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The decode step of a method that compresses every step, in place: every row holds n_keep + 1 slots
         (in any order; positions say which token each slot holds). Merge whatever the method merges into
-        slots that stay (writing ``kv`` in place) and return the slot each row drops, (B, H) long; the engine
-        then moves the row's last slot into it. Must give the same cache, up to slot order, as ``compress``
+        slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` with
+        a chosen slot), writing ``kv`` in place. Must give the same cache, up to slot order, as ``compress``
         (tests compare the two), and must not read device values back (it runs inside CUDA graphs)."""
         raise NotImplementedError
 

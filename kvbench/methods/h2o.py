@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.kernels.select import keep_topk, lowest_unprotected, newest
+from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep
 
@@ -67,12 +67,7 @@ class H2O(Method):
         heavy = torch.floor(self.heavy_ratio * keep.double()).long()
         return heavy.clamp(max=self.sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
 
-    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
-        """The lowest accumulated score outside the sinks (never moved from their prefill slots) and the
-        recent window (the newest positions)."""
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """The lowest accumulated score outside the sinks and the recent window."""
         sinks, recent = self.protected_counts(per_sample_n_keep(n_keep, kv))
-        valid = kv.valid()
-        slots = torch.arange(kv.capacity, device=kv.keys.device)
-        protected = (slots < sinks) | newest(kv.positions, valid, recent)
-        return lowest_unprotected(kv.state[SCORE], valid, protected)
-
+        kv.evict_lowest(kv.state[SCORE], sinks.squeeze(-1), recent.squeeze(-1))

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.kernels.select import keep_topk, lowest_unprotected
+from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, per_sample_n_keep
 
@@ -58,10 +58,9 @@ class StreamingLLM(Method):
         index, lengths = keep_topk(scores, keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
 
-    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """Drop the oldest token after the sinks (a ring buffer after them); a budget within the sinks drops
         the newest. Sinks stay in the slots prefill put them in (they are never dropped or moved)."""
         sinks, recent = sinks_and_recent(per_sample_n_keep(n_keep, kv), self.sinks)
-        slots = torch.arange(kv.capacity, device=kv.keys.device)
         age = torch.where(recent > 0, kv.positions, -kv.positions)  # oldest first; newest first if no window
-        return lowest_unprotected(age, kv.valid(), slots < sinks)
+        kv.evict_lowest(age, sinks.squeeze(-1), torch.zeros_like(kv.lengths))

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.select import keep_topk, lowest_unprotected
+from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, per_sample_n_keep
 
@@ -63,6 +63,7 @@ class TOVA(Method):
         # Heads of a row hold the same tokens in the same slots: they always drop the same slot, in place too.
         return attention.mean(dim=1, keepdim=True).expand_as(attention)
 
-    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> Tensor:
-        """The slot the current query attends to least."""
-        return lowest_unprotected(self.scores(stats.step_attention), kv.valid(), torch.zeros_like(kv.valid()))
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """The slot the current query attends to least (nothing protected)."""
+        none = torch.zeros_like(kv.lengths)
+        kv.evict_lowest(self.scores(stats.step_attention), none, none)

@@ -1,0 +1,64 @@
+"""In-place decode compression of one slot per row: pick the slot, remove it by moving the row's last slot in.
+
+A decode step of a method that compresses every step drops one slot of every row. Re-gathering the cache
+for that costs a pass over all of it; these operations touch one slot per row instead, and never read a
+device value back (a CUDA graph replays them). Rows are in any slot order (positions say which token a slot
+holds). Torch references; ``triton_slots`` holds one-launch kernels of the same signatures (see ``dispatch``).
+
+Shapes: scores, positions (B, H, C); lengths, sinks, recent, victim (B, H) long; keys/values (B, H, C, D);
+state (S, B, H, C) float32 (every per-slot state of the layer, stacked; S may be 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvbench.kernels.dispatch import use_triton
+
+
+def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor) -> Tensor:
+    """(B, H) the real slot of lowest score that is not protected; ties go to the lowest slot.
+
+    Protected: the first ``sinks`` slots (sinks stay in the slots prefill put them in: nothing ever moves into
+    or out of them) and the slots holding the row's ``recent`` newest positions (the window's positions are
+    contiguous whenever it was always kept, so a threshold on the newest position finds them)."""
+    if use_triton("select_lowest", scores):
+        from kvbench.kernels import triton_slots
+
+        return triton_slots.select_lowest(scores, lengths, positions, sinks, recent)
+    slots = torch.arange(scores.shape[-1], device=scores.device)
+    valid = slots < lengths.unsqueeze(-1)
+    newest = torch.where(valid, positions, -1).amax(-1, keepdim=True)
+    protected = (slots < sinks.unsqueeze(-1)) | (positions > newest - recent.unsqueeze(-1))
+    return torch.where(valid & ~protected, scores.float(), torch.inf).argmin(-1)
+
+
+def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                   state: Tensor) -> None:
+    """Remove slot ``victim`` of every row: the row's last slot moves into it, the row shrinks by one."""
+    if use_triton("move_last_into", keys):
+        from kvbench.kernels import triton_slots
+
+        return triton_slots.move_last_into(victim, lengths, keys, values, positions, state)
+    last = (lengths - 1).unsqueeze(-1)  # (B, H, 1)
+    dest = victim.unsqueeze(-1)
+    for t in (keys, values):
+        rows = last.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])
+        t.scatter_(2, dest.unsqueeze(-1).expand_as(rows), t.gather(2, rows))
+    positions.scatter_(2, dest, positions.gather(2, last))
+    if state.shape[0]:
+        S = state.shape[0]
+        state.scatter_(3, dest.expand(S, *dest.shape), state.gather(3, last.expand(S, *last.shape)))
+    lengths -= 1
+
+
+def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
+                 keys: Tensor, values: Tensor, state: Tensor) -> None:
+    """``select_lowest`` then ``move_last_into`` (one launch in Triton)."""
+    if use_triton("evict_lowest", scores):
+        from kvbench.kernels import triton_slots
+
+        return triton_slots.evict_lowest(scores, lengths, positions, sinks, recent, keys, values, state)
+    move_last_into(select_lowest(scores, lengths, positions, sinks, recent), lengths, keys, values, positions,
+                   state)

@@ -1,0 +1,125 @@
+"""Triton twins of ``slots.select_lowest``, ``slots.move_last_into`` and ``slots.evict_lowest``.
+
+One program per row (b, h): it scans the row in tiles (the newest position, then the lowest unprotected
+score), and moves the row's last slot (key, value, position, every state) into the chosen one. A decode step
+of an evicting method is then one launch per layer instead of a dozen small torch operations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_C = 1024  # slots per tile of the scan
+
+
+@triton.jit
+def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: tl.constexpr):
+    """The slot to drop in one row (see slots.select_lowest)."""
+    length = tl.load(len_ptr + row)
+    sinks = tl.load(sink_ptr + row)
+    recent = tl.load(recent_ptr + row)
+    newest = tl.full((), -1, tl.int64)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        pos = tl.load(pos_ptr + row * C + c, mask=c < length, other=-1)
+        newest = tl.maximum(newest, tl.max(pos, 0))
+    best = tl.full((), float("inf"), tl.float32)
+    victim = tl.full((), 0, tl.int64)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        real = c < length
+        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
+        score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+        free = real & (c >= sinks) & (pos <= newest - recent)
+        score = tl.where(free, score, float("inf"))
+        low = tl.min(score, 0)
+        first = tl.min(tl.where(score == low, c, 2147483647), 0).to(tl.int64)
+        better = low < best  # strictly lower: an equal score in a later tile loses to the earlier slot
+        victim = tl.where(better, first, victim)
+        best = tl.where(better, low, best)
+    return victim
+
+
+@triton.jit
+def _move(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    last = tl.load(len_ptr + row) - 1
+    d, dv, s = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_S)
+    k = tl.load(k_ptr + (row * C + last) * D + d, mask=d < D)
+    tl.store(k_ptr + (row * C + victim) * D + d, k, mask=d < D)
+    v = tl.load(v_ptr + (row * C + last) * DV + dv, mask=dv < DV)
+    tl.store(v_ptr + (row * C + victim) * DV + dv, v, mask=dv < DV)
+    tl.store(pos_ptr + row * C + victim, tl.load(pos_ptr + row * C + last))
+    st = tl.load(state_ptr + s * state_stride + row * C + last, mask=s < S)
+    tl.store(state_ptr + s * state_stride + row * C + victim, st, mask=s < S)
+    tl.store(len_ptr + row, last)
+
+
+@triton.jit
+def _select_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C))
+
+
+@triton.jit
+def _move_kernel(victim_ptr, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    _move(tl.load(victim_ptr + row), row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+          BLOCK_D, BLOCK_DV, BLOCK_S)
+
+
+@triton.jit
+def _evict_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, k_ptr, v_ptr, state_ptr, C, D, DV, S,
+                  state_stride, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    victim = _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C)
+    _move(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+          BLOCK_D, BLOCK_DV, BLOCK_S)
+
+
+def _block(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def _rows(*tensors: Tensor) -> list[Tensor]:
+    """Contiguous per-row tensors (the kernels index rows as b * H + h)."""
+    return [t.contiguous() for t in tensors]
+
+
+def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor) -> Tensor:
+    B, H, C = scores.shape
+    victim = torch.empty(B, H, dtype=torch.long, device=scores.device)
+    scores, positions, sinks, recent = _rows(scores, positions, sinks.expand(B, H), recent.expand(B, H))
+    _select_kernel[(B * H,)](scores, lengths, positions, sinks, recent, victim, C, BLOCK_C=min(BLOCK_C, _block(C)))
+    return victim
+
+
+def _check_storage(lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor, state: Tensor) -> None:
+    if not all(t.is_contiguous() for t in (lengths, keys, values, positions, state)):
+        raise ValueError("in-place slot moves need contiguous storage (the engine's static storage is)")
+
+
+def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                   state: Tensor) -> None:
+    B, H, C, D = keys.shape
+    _check_storage(lengths, keys, values, positions, state)
+    S = state.shape[0]
+    _move_kernel[(B * H,)](victim.contiguous(), lengths, keys, values, positions, state if S else positions,
+                           C, D, values.shape[-1], S, B * H * C, BLOCK_D=_block(D),
+                           BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S))
+
+
+def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
+                 keys: Tensor, values: Tensor, state: Tensor) -> None:
+    B, H, C, D = keys.shape
+    _check_storage(lengths, keys, values, positions, state)
+    scores, sinks, recent = _rows(scores, sinks.expand(B, H), recent.expand(B, H))
+    S = state.shape[0]
+    _evict_kernel[(B * H,)](scores, lengths, positions, sinks, recent, keys, values, state if S else positions,
+                            C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, _block(C)),
+                            BLOCK_D=_block(D), BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S))

@@ -1,0 +1,67 @@
+"""In-place one-slot eviction: Triton kernels against the torch references, and a hand-computed row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.kernels import slots, triton_slots
+from kvbench.kernels.dispatch import use_backend
+
+
+def storage(B=2, H=3, C=70, D=24, S=2, seed=0, dtype=torch.float32):
+    """Rows with ragged lengths, slots in a shuffled order of their positions, stacked states."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(C // 2, C + 1, (B, H), generator=g)
+    positions = torch.stack([torch.randperm(C, generator=g) for _ in range(B * H)]).view(B, H, C)
+    sinks = torch.randint(0, 5, (B, H), generator=g)
+    positions[..., :4] = torch.arange(4)  # sinks sit in the first slots, holding the first tokens
+    return dict(
+        scores=torch.randint(0, 6, (B, H, C), generator=g).float(),  # small integers: plenty of ties
+        lengths=lengths, positions=positions, sinks=sinks,
+        recent=torch.randint(0, 8, (B, H), generator=g),
+        keys=torch.randn(B, H, C, D, generator=g).to(dtype), values=torch.randn(B, H, C, D + 8, generator=g).to(dtype),
+        state=torch.randn(S, B, H, C, generator=g),
+    )
+
+
+def test_select_lowest_hand_computed():
+    # one row of 6 slots (positions 0, 1, 8, 6, 9, 7): sink slot 0, the 2 newest positions (9, 8) protected
+    scores = torch.tensor([[[0.0, 5.0, 0.1, 2.0, 0.2, 2.0]]])
+    positions = torch.tensor([[[0, 1, 8, 6, 9, 7]]])
+    args = (scores, torch.tensor([[6]]), positions, torch.tensor([[1]]), torch.tensor([[2]]))
+    with use_backend("torch"):
+        assert slots.select_lowest(*args).tolist() == [[3]]  # 2.0 at slot 3 ties with slot 5: the lower slot
+    assert triton_slots.select_lowest(*args).tolist() == [[3]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_select_lowest_matches_reference(seed):
+    s = storage(seed=seed)
+    args = (s["scores"], s["lengths"], s["positions"], s["sinks"], s["recent"])
+    with use_backend("torch"):
+        ref = slots.select_lowest(*args)
+    assert torch.equal(triton_slots.select_lowest(*args), ref)
+
+
+@pytest.mark.parametrize("states", [0, 3])
+def test_evict_lowest_matches_reference(states, dtype):
+    ref, got = storage(S=states, seed=4, dtype=dtype), storage(S=states, seed=4, dtype=dtype)
+    order = ("scores", "lengths", "positions", "sinks", "recent", "keys", "values", "state")
+    with use_backend("torch"):
+        slots.evict_lowest(*(ref[k] for k in order))
+    triton_slots.evict_lowest(*(got[k] for k in order))
+    for name in ("lengths", "positions", "keys", "values", "state"):
+        assert torch.equal(got[name], ref[name]), name
+    assert torch.equal(ref["lengths"], storage(S=states, seed=4)["lengths"] - 1)
+
+
+def test_move_last_into_moves_every_part_of_the_slot():
+    s = storage(B=1, H=1, C=5, D=2, S=1)
+    s["lengths"][:] = 5
+    before = {k: s[k].clone() for k in ("keys", "values", "positions", "state")}
+    triton_slots.move_last_into(torch.tensor([[1]]), s["lengths"], s["keys"], s["values"], s["positions"], s["state"])
+    assert s["lengths"].tolist() == [[4]]
+    for name, old in before.items():
+        assert torch.equal(s[name][..., 1, :] if name in ("keys", "values") else s[name][..., 1],
+                           old[..., 4, :] if name in ("keys", "values") else old[..., 4]), name
