@@ -111,6 +111,10 @@ class CompressedLayer(CacheLayerMixin):
             self.kv.write_aligned(self.aligned, key_states, value_states, positions)
         else:
             self.kv.write(key_states, value_states, positions)
+        self.shift(q)
+
+    def shift(self, q: int) -> None:
+        """Mirror of every row growing (or, q < 0, shrinking) by q slots."""
         self.host_lengths += q
         self.longest += q
         if self.aligned is not None:
@@ -124,10 +128,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def removed_one(self) -> None:
         """Mirror of ``LayerKV.remove_slot``: every row lost one slot."""
-        self.host_lengths -= 1
-        self.longest -= 1
-        if self.aligned is not None:
-            self.aligned -= 1
+        self.shift(-1)
         self.ordered = False
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,8 +32,9 @@ class DecodeGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured: tuple | None = None  # the host decisions and storage versions of the captured step
         self.warm: tuple | None = None  # those of the last eager static-shape step (the capture's warm-up)
-        self.delta: list[np.ndarray] = []
+        self.delta: list[int] = []  # what a replay adds to every row of each layer
         self.ordered: list[bool] = []
+        self.safe = 0  # replays known to take the captured decisions
         self.logits: Tensor | None = None
         self.replays = 0
 
@@ -42,23 +42,33 @@ class DecodeGraph:
         """One decode step with ``tokens`` (B,); ``session.logits`` holds the next logits afterwards."""
         session = self.session
         self.tokens.copy_(tokens.view(-1, 1))
+        if self.safe > 0:  # known to take the captured step's decisions: no per-layer checks
+            self._replay()
+            return
         decisions = self._decisions()
         if decisions is None:  # a compression through Method.compress, or storage that must grow
             self.warm = None
             session.feed(self.tokens, phase="decode")
         elif decisions == self.captured:
-            self.graph.replay()
-            session.logits = self.logits  # an eager step in between pointed the session at its own logits
-            for layer, delta, ordered in zip(session.cache.layers, self.delta, self.ordered):
-                layer._mirror(layer.host_lengths + delta)
-                layer.ordered = ordered
-            session.decode_steps += 1
-            self.replays += 1
+            self._replay()
+            self.safe = self._safe_replays()
         elif decisions != self.warm:
             session.feed(self.tokens, phase="decode", static_shapes=True)
             self.warm = decisions
         else:
             self._capture(decisions)
+
+    def _replay(self) -> None:
+        session = self.session
+        self.graph.replay()
+        session.logits = self.logits  # an eager step in between pointed the session at its own logits
+        for layer, delta, ordered in zip(session.cache.layers, self.delta, self.ordered):
+            if delta:
+                layer.shift(delta)
+            layer.ordered = ordered
+        session.decode_steps += 1
+        self.replays += 1
+        self.safe -= 1
 
     def _capture(self, decisions: tuple) -> None:
         session = self.session
@@ -67,11 +77,29 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             session.feed(self.tokens, phase="decode", static_shapes=True)  # recorded, not run: host side only
-        self.delta = [layer.host_lengths - b for layer, b in zip(session.cache.layers, before)]
+        deltas = [layer.host_lengths - b for layer, b in zip(session.cache.layers, before)]
+        assert all((d == d.flat[0]).all() for d in deltas), "a captured step changes every row alike"
+        self.delta = [int(d.flat[0]) for d in deltas]
         self.ordered = [layer.ordered for layer in session.cache.layers]
         self.logits = session.logits  # the graph's output buffer, rewritten by every replay
         self.captured = decisions
         self.graph.replay()  # the captured step itself (its host side already happened during the capture)
+        self.safe = self._safe_replays()
+
+    def _safe_replays(self) -> int:
+        """How many next steps certainly take the captured decisions: until a growing row fills its storage
+        or, for a method that compresses every few steps, until the next due step."""
+        session, method = self.session, self.session.engine.method
+        safe = 1 << 30
+        for index, (layer, delta) in enumerate(zip(session.cache.layers, self.delta)):
+            if not delta:
+                continue
+            safe = min(safe, layer.kv.capacity - layer.longest)
+            if method.compress_during_decode:  # a row reaching its budget makes a due step compress
+                safe = min(safe, int((session.host_n_keep[index][:, None] - layer.host_lengths).min()))
+        if method.compress_during_decode and method.decode_interval > 1:
+            safe = min(safe, -(session.decode_steps + 1) % method.decode_interval)
+        return max(safe, 0)
 
     def _decisions(self) -> tuple | None:
         """What the next step does on the host, per layer: nothing, or an in-place eviction; None when it needs
