@@ -35,6 +35,7 @@ class LayerKV:
     lengths: Tensor
     state: dict[str, Tensor] = field(default_factory=dict)
     state_block: Tensor | None = field(default=None, repr=False)
+    _state_views: tuple = field(default=(), init=False, repr=False, compare=False)
 
     @property
     def capacity(self) -> int:
@@ -147,17 +148,16 @@ class LayerKV:
         shape = (len(names), *self.positions.shape)
         block = torch.stack([self.state[n] for n in names]) if names else self.keys.new_zeros(shape,
                                                                                            dtype=torch.float32)
-        self.state_block = block
         self.state = {name: block[i] for i, name in enumerate(names)}
+        self.state_block = block
+        self._state_views = tuple(self.state.values())
 
     def packed_state(self) -> Tensor | None:
-        """``state_block`` if every state entry still views it (a method may have replaced one), else None."""
-        block = self.state_block
-        if block is None or len(self.state) != block.shape[0]:
+        """``state_block`` if the state entries are still its views (a method may have replaced one), else None."""
+        views = self._state_views
+        if self.state_block is None or len(views) != len(self.state):
             return None
-        ok = all(t.data_ptr() == block[i].data_ptr() and t.shape == block.shape[1:]
-                 for i, t in enumerate(self.state.values()))
-        return block if ok else None
+        return self.state_block if all(t is v for t, v in zip(self.state.values(), views)) else None
 
     def remove_slot(self, victim: Tensor) -> None:
         """Remove slot ``victim`` (B, H) of every row in place: the row's last slot moves into it and the row

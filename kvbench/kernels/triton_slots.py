@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_C = 1024  # slots per tile of the scan
+BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
+WARPS = 16
 
 
 @triton.jit
@@ -95,7 +96,8 @@ def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Ten
     B, H, C = scores.shape
     victim = torch.empty(B, H, dtype=torch.long, device=scores.device)
     scores, positions, sinks, recent = _rows(scores, positions, sinks.expand(B, H), recent.expand(B, H))
-    _select_kernel[(B * H,)](scores, lengths, positions, sinks, recent, victim, C, BLOCK_C=min(BLOCK_C, _block(C)))
+    _select_kernel[(B * H,)](scores, lengths, positions, sinks, recent, victim, C, BLOCK_C=min(BLOCK_C, _block(C)),
+                             num_warps=WARPS)
     return victim
 
 
@@ -122,4 +124,4 @@ def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tens
     S = state.shape[0]
     _evict_kernel[(B * H,)](scores, lengths, positions, sinks, recent, keys, values, state if S else positions,
                             C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, _block(C)),
-                            BLOCK_D=_block(D), BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S))
+                            BLOCK_D=_block(D), BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S), num_warps=WARPS)
