@@ -138,8 +138,8 @@ class LongBench(Task):
         for dataset in self.datasets:
             config = f"{dataset}_e" if self.variant == "e" else dataset
             files = tuple(f"{prefix}{config}.{ext}" for prefix in ("", "data/") for ext in ("jsonl", "parquet", "json"))
-            records, provenance = load_records(DataRef(HUB_ID, config, "test", files), self.source,
-                                               self.data_dir, self.revision, SAMPLE_DIR)
+            ref = DataRef(HUB_ID, config, "test", files, hub_file="data.zip", member=f"data/{config}.jsonl")
+            records, provenance = load_records(ref, self.source, self.data_dir, self.revision, SAMPLE_DIR)
             for record in records[: self.samples_per_dataset]:
                 out.append(self._sample(dataset, record, provenance))
         return out

@@ -101,7 +101,7 @@ class PG19(Task):
             text = path.read_text(encoding="utf-8")
             return [{"text": text, "short_book_title": path.name}], {"data_source": "text_file",
                                                                       "data_path": str(path)}, path.stem
-        ref = DataRef(self.hub_id, self.hub_config, "test", LOCAL_FILES)
+        ref = DataRef(self.hub_id, self.hub_config, "test", LOCAL_FILES, hub_file=HUB_SHARDS)
         if self.source == "local" and self.data_dir:
             shards = sorted(Path(self.data_dir).glob(HUB_SHARDS))
             if shards and not any((Path(self.data_dir) / f).is_file() for f in LOCAL_FILES):

@@ -87,8 +87,9 @@ class ZeroScrolls(Task):
         for task in self.tasks:
             files = tuple(f"{task}/{self.split}.{ext}" for ext in ("jsonl", "parquet", "json")) + tuple(
                 f"{task}_{self.split}.{ext}" for ext in ("jsonl", "parquet", "json"))
-            records, provenance = load_records(DataRef(HUB_ID, task, self.split, files), self.source,
-                                               self.data_dir, self.revision, SAMPLE_DIR)
+            ref = DataRef(HUB_ID, task, self.split, files, hub_file=f"{task}.zip",
+                          member=f"{task}/{self.split}.jsonl")
+            records, provenance = load_records(ref, self.source, self.data_dir, self.revision, SAMPLE_DIR)
             by_id: dict[str, list[dict]] = {}
             for record in records:  # one row per (input, reference) pair: a multi-reference example repeats
                 by_id.setdefault(str(record["id"]), []).append(record)

@@ -11,7 +11,6 @@ from hydra import compose, initialize_config_dir
 
 from kvbench import runner
 from kvbench.errors import ConfigError
-from kvbench.tasks import sources
 from kvbench.tasks.longbench import ALL_DATASETS, E_DATASETS, LongBench, length_bucket
 
 from tests.conftest import CONF
@@ -141,34 +140,6 @@ def test_local_directory_in_the_hub_file_format(tmp_path):
     assert samples[0].meta["data_path"].endswith("qasper.jsonl") and samples[0].meta["data_source"] == "local"
     with pytest.raises(ConfigError, match="trec.jsonl"):
         LongBench(datasets=["trec"], source="local", data_dir=str(tmp_path)).samples()
-
-
-def test_hub_loads_official_ids_and_records_the_revision(monkeypatch):
-    calls = []
-
-    def fake_load_dataset(path, name, split, revision):
-        calls.append((path, name, split, revision))
-        return [{"input": "Q?", "context": "C.", "answers": ["A"], "length": 5000, "dataset": name,
-                 "language": "en", "all_classes": None, "_id": "h1"}]
-
-    monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
-    monkeypatch.setattr(sources, "_resolved_revision", lambda hub_id, revision: "abc123")
-    samples = LongBench(datasets=["qasper"], variant="e", source="hub", revision="main").samples()
-    assert calls == [("THUDM/LongBench", "qasper_e", "test", "main")]
-    meta = samples[0].meta
-    assert (meta["dataset_id"], meta["dataset_config"], meta["dataset_revision"]) == ("THUDM/LongBench", "qasper_e",
-                                                                                      "abc123")
-
-
-def test_unreachable_hub_fails_with_one_line_pointing_at_local_or_sample(monkeypatch):
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'THUDM/LongBench' on the Hub (LocalEntryNotFoundError)")
-
-    monkeypatch.setattr("datasets.load_dataset", offline)
-    with pytest.raises(ConfigError) as err:
-        LongBench(datasets=["qasper"], source="hub").samples()
-    message = str(err.value)
-    assert "\n" not in message and "task.source=local task.data_dir=" in message and "task.source=sample" in message
 
 
 def test_end_to_end_on_fixtures_with_the_tiny_model(tmp_path):

@@ -117,12 +117,13 @@ def test_sources_sample_text_file_local_shards_and_offline_hub(tmp_path, monkeyp
         pd.DataFrame({"short_book_title": [f"b{i}"], "text": [f"book {i}"]}).to_parquet(
             tmp_path / "data" / f"test-0000{i}-of-00002.parquet")
     assert [s.context for s in PG19(source="local", data_dir=str(tmp_path)).samples()] == ["book 0", "book 1"]
-    import datasets
+    import huggingface_hub
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'emozilla/pg19-test' on the Hub (LocalEntryNotFoundError)")
+        raise huggingface_hub.errors.LocalEntryNotFoundError("no connection and nothing cached")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ConfigError, match="task.source=local task.data_dir=DIR.*task.source=sample"):
         PG19(source="hub").samples()
 
