@@ -24,7 +24,7 @@ from kvbench.engine import Engine, _sync
 from kvbench.errors import ConfigError
 from kvbench.memory import PeakMemory
 from kvbench.methods.full import Full
-from kvbench.tasks.base import Prompt, Sample, Task
+from kvbench.tasks.base import NO_QUERY, Prompt, Sample, Task
 
 SYSTEMS = ("method", "full", "bare")
 MEASURES = ("ttft_seconds", "tpot_seconds", "peak_memory_bytes", "throughput_tokens_per_second")
@@ -81,7 +81,7 @@ class Efficiency(Task):
                     run()
                 for repeat in range(self.repeats):
                     rows.append({"sample_id": f"{sample.id}-{system}-{repeat}", "dataset": sample.meta["dataset"],
-                                 "system": system, "repeat": repeat, "prompt_length": len(prompt),
+                                 "mode": NO_QUERY, "system": system, "repeat": repeat, "prompt_length": len(prompt),
                                  "batch_size": len(batch), "output_tokens": self.new_tokens, **run()})
         return rows
 
@@ -143,10 +143,10 @@ class Efficiency(Task):
             for system in SYSTEMS:
                 for m in MEASURES:
                     rows.append({"dataset": dataset, "metric": f"{system}.{m}", "value": med[(system, m)],
-                                 "n": int((cell.system == system).sum())})
+                                 "n": int((cell.system == system).sum()), "mode": NO_QUERY})
             for num, den in (("method", "full"), ("method", "bare"), ("full", "bare")):
                 for m in MEASURES:
                     value = med[(num, m)] / med[(den, m)] if med[(den, m)] else float("nan")
                     rows.append({"dataset": dataset, "metric": f"ratio.{num}_vs_{den}.{m}", "value": value,
-                                 "n": int((cell.system == num).sum())})
+                                 "n": int((cell.system == num).sum()), "mode": NO_QUERY})
         return rows

@@ -107,7 +107,20 @@ def test_aggregate_rounds_dataset_means_and_adds_category_and_overall_rows():
     assert rows["avg:single_doc_qa"]["value"] == 41.66  # (50 + 33.33) / 2 = 41.665 -> 41.66 (binary float)
     assert rows["avg:few_shot"]["value"] == 100.0
     assert rows["avg:overall"]["value"] == 61.11  # (50 + 33.33 + 100) / 3 = 61.11
+    # the leaderboard's Avg: mean of the category means, (41.665 + 100) / 2 = 70.83
+    assert rows["avg:leaderboard_en"]["value"] == 70.83 and "avg:leaderboard_zh" not in rows
+    assert rows["avg:leaderboard_en"]["scorer"] == "mean_of_category_means"
     assert all(r["mode"] == "official" and r["metric"] == "score" for r in rows.values())
+
+
+def test_leaderboard_average_is_per_language_with_code_counted_as_english():
+    task = LongBench(datasets=["qasper", "lcc", "dureader", "lsht"])
+    predictions = pd.DataFrame({"dataset": ["qasper", "lcc", "dureader", "lsht"],
+                                "metric.score": [0.2, 0.6, 0.3, 0.9]})
+    rows = {r["dataset"]: r["value"] for r in task.aggregate(predictions)}
+    assert rows["avg:leaderboard_en"] == 40.0  # single-doc QA 20, code 60
+    assert rows["avg:leaderboard_zh"] == 60.0  # multi-doc QA 30, few-shot 90
+    assert rows["avg:overall"] == 50.0
 
 
 def test_longbench_e_scores_each_length_bucket():
@@ -152,7 +165,8 @@ def test_end_to_end_on_fixtures_with_the_tiny_model(tmp_path):
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     assert list(predictions["dataset"]) == ["trec", "passage_count"]
     assert set(predictions["meta.mode"]) == {"official"} and (predictions["output_tokens"] <= 3).all()
-    assert set(metrics["dataset"]) == {"trec", "passage_count", "avg:few_shot", "avg:synthetic", "avg:overall"}
+    assert set(metrics["dataset"]) == {"trec", "passage_count", "avg:few_shot", "avg:synthetic", "avg:overall",
+                                       "avg:leaderboard_en"}
     assert {"category", "mode", "length_bucket"} <= set(metrics) and metrics["value"].between(0, 100).all()
 
 
