@@ -265,11 +265,7 @@ def load_tasks(names: list[str], configs: dict[str, dict]) -> dict:
     manager = task_manager(tuple(names))
     specs = []
     for name in names:
-        entry = manager.task_index.get(name)
-        if entry is None:
-            close = difflib.get_close_matches(name, task_manager(()).all_tasks, n=5)
-            raise ConfigError(f"unknown lm-eval task '{name}'; close names: {', '.join(close) or 'none'} "
-                              "(lm_eval ls tasks lists all)")
+        entry = manager.task_index[name]
         if name in configs and not entry.yaml_path:
             raise ConfigError(f"lm-eval '{name}' is not a YAML task: its config cannot be overridden")
         specs.append({**load_yaml(entry.yaml_path, resolve_func=True), **configs[name]} if name in configs
@@ -283,20 +279,34 @@ def load_tasks(names: list[str], configs: dict[str, dict]) -> dict:
 @functools.lru_cache(maxsize=8)
 def task_manager(names: tuple[str, ...]):
     """An lm-eval TaskManager that indexes only the task folders whose YAML files name ``names`` (a text
-    search; lm-eval's full index parses ~15k YAMLs in ~25 s), or the full index (``names`` empty, or not all
-    found that way)."""
-    import lm_eval.tasks
+    search; lm-eval's full index parses ~15k YAMLs, ~25 s), or the full index (``names`` empty, or not all
+    found that way). A name no YAML declares is a ConfigError with the closest declared names."""
     from lm_eval.tasks import TaskManager
 
-    if names:
-        alternatives = "|".join(re.escape(n) for n in names)
-        named = re.compile(rf"^\s*(?:-|task:|group:|tag:)\s*['\"]?(?:{alternatives})['\"]?\s*$", re.M)
-        root = Path(lm_eval.tasks.__file__).parent
-        folders = sorted({p.parent for p in root.rglob("*.yaml") if named.search(p.read_text(errors="ignore"))})
-        manager = TaskManager(include_defaults=False, include_path=folders) if folders else None
-        if manager is not None and all(n in manager.task_index for n in names):
-            return manager
-    return TaskManager()
+    if not names:
+        return TaskManager()
+    declared = declared_names()
+    unknown = [n for n in names if n not in declared]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], declared, n=5)
+        raise ConfigError(f"unknown lm-eval task '{unknown[0]}'; close names: {', '.join(close) or 'none'} "
+                          "(lm_eval ls tasks lists all)")
+    folders = sorted({folder for n in names for folder in declared[n]})
+    manager = TaskManager(include_defaults=False, include_path=folders)
+    return manager if all(n in manager.task_index for n in names) else TaskManager()
+
+
+@functools.lru_cache(maxsize=1)
+def declared_names() -> dict[str, set[Path]]:
+    """Task, group and tag names declared by lm-eval's YAML files (read as text), with their folders."""
+    import lm_eval.tasks
+
+    line = re.compile(r"^(?:task|group|tag):\s*['\"]?([\w.-]+)['\"]?\s*$|^\s+-\s+['\"]?([\w.-]+)['\"]?\s*$", re.M)
+    out: dict[str, set[Path]] = {}
+    for path in Path(lm_eval.tasks.__file__).parent.rglob("*.yaml"):
+        for match in line.finditer(path.read_text(errors="ignore")):
+            out.setdefault(match[1] or match[2], set()).add(path.parent)
+    return out
 
 
 def reads_gsm8k(yaml_path) -> bool:

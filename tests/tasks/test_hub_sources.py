@@ -62,12 +62,14 @@ TASKS = {  # the same tasks read from the hub (in a subprocess) and from the shi
     "longbench_e": 'LongBench(datasets=["qasper"], variant="e", source=SOURCE, revision=REV)',
     "zeroscrolls": 'ZeroScrolls(tasks=["qasper", "quality"], source=SOURCE)',
     "pg19": "PG19(source=SOURCE)",
+    "gsm8k": 'LMEval(tasks=["gsm8k"], source=SOURCE)',
 }
 LOAD_ALL = """
 import json
 from kvbench.tasks.longbench import LongBench
 from kvbench.tasks.zeroscrolls import ZeroScrolls
 from kvbench.tasks.pg19 import PG19
+from kvbench.tasks.lm_eval import LMEval
 def rows(samples):
     return [{"id": s.id, "references": s.references, "context": s.context, "question": s.question,
              **{k: s.meta.get(k) for k in ("dataset_revision", "data_path", "data_source")}} for s in samples]
@@ -76,7 +78,8 @@ print(json.dumps({name: rows(eval(task).samples()) for name, task in TASKS.items
 
 
 def from_fixtures() -> dict:
-    from kvbench.tasks.longbench import LongBench  # noqa: F401 - names used by eval
+    from kvbench.tasks.lm_eval import LMEval  # noqa: F401 - names used by eval
+    from kvbench.tasks.longbench import LongBench  # noqa: F401
     from kvbench.tasks.pg19 import PG19  # noqa: F401
     from kvbench.tasks.zeroscrolls import ZeroScrolls  # noqa: F401
 
@@ -108,7 +111,7 @@ def test_every_hub_source_downloads_the_official_files_and_records_the_commit(re
                 for name, rows in loaded.items()}
     assert hub_rows == from_fixtures()  # PG19: both shards, in order
     for name, repo in (("longbench", LONGBENCH), ("longbench_e", LONGBENCH), ("zeroscrolls", ZEROSCROLLS),
-                       ("pg19", PG19)):
+                       ("pg19", PG19), ("gsm8k", GSM8K)):
         assert {s["dataset_revision"] for s in loaded[name]} == {hub.sha[repo]}, name
         assert {s["data_source"] for s in loaded[name]} == {"hub"}
     assert loaded["longbench"][0]["data_path"] == "data.zip::data/qasper.jsonl"
@@ -118,7 +121,9 @@ def test_every_hub_source_downloads_the_official_files_and_records_the_commit(re
     assert fetched == {f"/datasets/{LONGBENCH}/resolve/main/data.zip",
                        f"/datasets/{ZEROSCROLLS}/resolve/main/qasper.zip",
                        f"/datasets/{ZEROSCROLLS}/resolve/main/quality.zip",
-                       *(f"/datasets/{PG19}/resolve/main/data/test-0000{i}-of-00002.parquet" for i in (0, 1))}
+                       *(f"/datasets/{PG19}/resolve/main/data/test-0000{i}-of-00002.parquet" for i in (0, 1)),
+                       f"/datasets/{GSM8K}/resolve/main/main/test-00000-of-00001.parquet",
+                       f"/datasets/{GSM8K}/resolve/{hub.sha[GSM8K]}/main/train-00000-of-00001.parquet"}
     assert not any(p.endswith(".py") for _, p in hub.requests)  # no loading script is touched
 
 
@@ -126,10 +131,10 @@ def test_files_are_cached_and_read_again_without_the_server(repos, tmp_path):
     with FakeHub(repos) as hub:
         first = load_through(hub.endpoint, tmp_path / "hf")
         downloads = sum(method == "GET" and "/resolve/" in path for method, path in hub.requests)
-    assert downloads == 5  # each file once: data.zip (both LongBench variants), 2 ZeroSCROLLS zips, 2 shards
+    assert downloads == 7  # each file once: data.zip (both LongBench variants), 2 ZeroSCROLLS zips, 2+2 parquet
     dead = hub.endpoint  # the server is shut down: huggingface_hub falls back to its cache
     again = load_through(dead, tmp_path / "hf")
-    assert again["longbench"] == first["longbench"] and again["zeroscrolls"] == first["zeroscrolls"]
+    assert again == first
 
 
 def test_unreachable_hub_fails_with_one_line_pointing_at_local_or_sample(monkeypatch, tmp_path):
