@@ -22,6 +22,7 @@ FAST_TASK = {
     "passkey": ["task.context_lengths=[128]", "task.depths=[50]"],
     "niah": ["task.context_lengths=[600]", "task.depths=[50]"],
     "efficiency": ["task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.new_tokens=3"],
+    **{name: ["task.num_fewshot=1", "+task.gen_kwargs.max_gen_toks=4"] for name in ("lm_eval", "gsm8k", "gsm8k_cot")},
 }
 
 
@@ -69,6 +70,8 @@ def test_task_runs_end_to_end_on_the_tiny_model(name, tmp_path):
     defined = metrics[~metrics["metric"].str.contains("peak_memory")]
     assert len(metrics) > 0 and defined["value"].notna().all()
     assert (metrics["task"] == task.name).all()  # longbench_e is the longbench task with variant e
+    predictions = pd.read_parquet(run_dir / "predictions.parquet")
+    assert metrics["mode"].notna().all() and predictions["mode"].notna().all()  # the query mode in every row
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "full"])

@@ -158,3 +158,36 @@ def test_runs_end_to_end_on_the_tiny_model(tmp_path):
     assert (predictions["output_tokens"] <= 30).all()
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     assert sorted(metrics["metric"]) == ["rouge1", "word_recall"]
+
+
+def test_query_agnostic_feeds_the_question_part_after_the_haystack(tiny_lm):
+    official = Niah(context_lengths=[600], depths=[50])
+    agnostic = Niah(context_lengths=[600], depths=[50], mode="query_agnostic")
+    whole = official.build_prompt(official.samples()[0], tiny_lm)
+    sample = agnostic.samples()[0]
+    split = agnostic.build_prompt(sample, tiny_lm)
+    head, tail = tiny_lm.tokenizer.decode(split.context_ids), tiny_lm.tokenizer.decode(split.suffix_ids)
+    assert head.endswith("</book>.") and NEEDLE in head and QUESTION not in head
+    assert head + tail == tiny_lm.tokenizer.decode(whole.context_ids)  # the same prompt, in two pieces
+    assert tail.startswith("\n Based on the content of the book, Question: ")
+    assert sample.meta["mode"] == "query_agnostic"
+
+
+def test_kv_papers_preset_is_their_question_without_a_chat_template(tiny_lm):
+    task = Niah(context_lengths=[600], depths=[50], preset="kv_papers")
+    text = tiny_lm.tokenizer.decode(task.build_prompt(task.samples()[0], tiny_lm).context_ids)
+    assert text.startswith("<s><|im_start|> This is a very long story book: <book> ")
+    assert text.endswith("Question: The best thing to do in San Francisco is: \nAnswer:")
+    assert Niah(preset="kv_papers", question="Q?").question == "Q?"
+    with pytest.raises(ConfigError, match="kamradt, kv_papers"):
+        Niah(preset="snapkv")
+
+
+def test_metric_rows_name_the_scoring_convention_and_scale():
+    task = Niah(context_lengths=[600], depths=[50])
+    rows = task.aggregate(pd.DataFrame({"dataset": ["niah"] * 2, "metric.rouge1": [1.0, 0.5],
+                                        "metric.word_recall": [1.0, 0.0]}))
+    by_metric = {r["metric"]: r for r in rows}
+    assert by_metric["rouge1"]["value"] == 75.0 and "x10" in by_metric["rouge1"]["scorer"]
+    assert by_metric["word_recall"]["scorer"].startswith("kv_papers_heatmap")
+    assert all(r["scale"].startswith("0-100") and r["preset"] == "kamradt" and r["mode"] == "official" for r in rows)

@@ -62,3 +62,17 @@ def test_scores_on_hand_computed_examples(prediction, exact, partial):
 def test_bad_settings_are_rejected(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Passkey(**kwargs)
+
+
+def test_query_agnostic_feeds_question_template_tail_and_answer_prefix_after(tiny_lm):
+    official = Passkey(context_lengths=[512], depths=[50])
+    agnostic = Passkey(context_lengths=[512], depths=[50], mode="query_agnostic")
+    sample = agnostic.samples()[0]
+    whole = official.build_prompt(official.samples()[0], tiny_lm)
+    split = agnostic.build_prompt(sample, tiny_lm)
+    head, tail = tiny_lm.tokenizer.decode(split.context_ids), tiny_lm.tokenizer.decode(split.suffix_ids)
+    assert QUESTION not in head and NEEDLE.format(key=sample.meta["key"]) in head
+    assert tail.startswith(f"\n{QUESTION}") and tail.endswith(ANSWER_PREFIX)
+    assert head + tail == tiny_lm.tokenizer.decode(whole.context_ids)
+    with pytest.raises(ConfigError, match="official, query_agnostic"):
+        Passkey(mode="agnostic")

@@ -91,7 +91,7 @@ def report(cfg) -> list[Path]:
     metrics = data.apply_filters(results.metrics, OmegaConf.to_container(cfg.filters))
     if metrics.empty:
         raise ConfigError(f"no results under '{cfg.root}' pass the filters {OmegaConf.to_container(cfg.filters)}")
-    metrics = data.label_rows(efficiency.table_per_mode(metrics))
+    metrics = data.label_rows(efficiency.table_per_measure(metrics))
     predictions = data.labelled_predictions(results, metrics)
     reference = paper.reference() if cfg.table.paper else None
     out = Path(cfg.out)
@@ -101,7 +101,7 @@ def report(cfg) -> list[Path]:
     if cfg.plots.enabled:
         written += make_plots(cfg, built, metrics, predictions, out / "plots")
     summary = [f"# kvbench report\n\nResults root: `{cfg.root}`\n"]
-    summary += [f"## {t.task}\n\n{render.markdown(t, cfg.table)}" for t in built]
+    summary += [f"## {t.task} (query mode: {t.modes})\n\n{render.markdown(t, cfg.table)}" for t in built]
     summary += [f"![{p.stem}](plots/{p.name})\n" for p in written if p.suffix == ".png"]
     (out / "report.md").write_text("\n".join(summary))
     return written + [out / "report.md"]

@@ -13,7 +13,7 @@ from kvbench.report.paper import FULL
 
 FILTER_COLUMNS = ("model", "task", "budget", "method", "dataset")
 # Columns whose differing values make different table rows of one method (besides method.* hyperparameters).
-VARIANT_COLUMNS = ("position_mode", "seed", "limit", "task.mode", "task.variant", "task.protocol")
+VARIANT_COLUMNS = ("position_mode", "seed", "limit", "task.mode", "task.measure", "task.variant", "task.protocol")
 
 
 @dataclass

@@ -43,14 +43,14 @@ MEASURES = (*PANELS, "tpot_bound_seconds")
 ID = ["task", "model", "budget", "row_method", "batch", "context_length"]
 
 
-def table_per_mode(metrics: pd.DataFrame) -> pd.DataFrame:
+def table_per_measure(metrics: pd.DataFrame) -> pd.DataFrame:
     """Efficiency rows of throughput-mode runs become the ``efficiency_throughput`` table's rows; runs from
     before the modes existed measured latency (so their rows and newer ones stay one table row)."""
-    if "task.mode" not in metrics:
+    if "task.measure" not in metrics:
         return metrics
     efficiency = metrics["task"] == TASK
-    mode = metrics["task.mode"].where(~efficiency | metrics["task.mode"].notna(), "latency")
-    return metrics.assign(**{"task.mode": mode, "task": metrics["task"].where(mode != "throughput", THROUGHPUT_TABLE)})
+    mode = metrics["task.measure"].where(~efficiency | metrics["task.measure"].notna(), "latency")
+    return metrics.assign(**{"task.measure": mode, "task": metrics["task"].where(mode != "throughput", THROUGHPUT_TABLE)})
 
 
 def figures(metrics: pd.DataFrame, predictions: pd.DataFrame, order: list[str], out, formats) -> list:

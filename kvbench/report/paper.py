@@ -83,7 +83,8 @@ DATASET_DISPLAY = {
     "space_digest": "SpaceDigest", "book_sum_sort": "BkSS", "niah": "NIAH", "passkey": "Passkey", "pg19": "PG19",
     **{f"avg:{c}": name for c, name in zip(CATEGORIES, ("SingleDoc", "MultiDoc", "Summ.", "FewShot", "Synth.",
                                                          "Code"))},
-    "avg:overall": "Avg", "avg:zeroscrolls": "Avg",
+    "avg:overall": "Avg (datasets)", "avg:leaderboard_en": "Avg (leaderboard EN)",
+    "avg:leaderboard_zh": "Avg (leaderboard ZH)", "avg:zeroscrolls": "Avg",
 }
 MODEL_DISPLAY = {
     "llama2-7b-chat": "Llama-2-7B-Chat", "llama2-13b-chat": "Llama-2-13B-Chat", "llama2-7b": "Llama-2-7B",

@@ -84,7 +84,8 @@ def show_delta(table: Table, cfg) -> bool:
 
 def markdown(table: Table, cfg) -> str:
     head = header(table, cfg)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
+    lines = [f"Query mode: {table.modes}.", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in cells(table, cfg, "**", "**")]
     notes = ["Best compressed method per model × budget block in bold (higher is better; lower for perplexity,"
              " time and memory)."]
@@ -105,7 +106,7 @@ def latex_escape(text: str) -> str:
 def latex(table: Table, cfg) -> str:
     head = header(table, cfg)
     rows = cells(table, cfg, "\x00", "\x01")
-    lines = [r"\begin{tabular}{lll" + "r" * (len(head) - 3) + "}", r"\toprule",
+    lines = [f"% query mode: {table.modes}", r"\begin{tabular}{lll" + "r" * (len(head) - 3) + "}", r"\toprule",
              " & ".join(latex_escape(h) for h in head) + r" \\", r"\midrule"]
     previous = None
     for index, row in zip(table.values.index, rows):
@@ -129,6 +130,7 @@ def csv_frame(table: Table, cfg) -> pd.DataFrame:
             frame[f"{column}:p_vs_full"] = table.p_vs_full[column]
     for column in table.values.columns:
         frame[f"{column}:best"] = table.bold[column]
+    frame["mode"] = table.modes
     return frame.reset_index()
 
 

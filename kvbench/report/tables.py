@@ -12,7 +12,7 @@ import pandas as pd
 
 from kvbench.report import stats
 from kvbench.report.paper import FULL
-from kvbench.tasks.longbench import CATEGORIES, CATEGORY_OF
+from kvbench.tasks.longbench import CATEGORIES, CATEGORY_OF, language_of
 from kvbench.tasks.zeroscrolls import PRIMARY_METRIC
 
 OURS = "ours"
@@ -37,6 +37,7 @@ class Table:
     p_vs_full: pd.DataFrame | None = None
     pvalues: pd.DataFrame | None = None  # long: model, budget, dataset, metric, method_a, method_b, delta, p
     column_metric: dict = field(default_factory=dict)  # column -> (dataset, metric) for data columns
+    modes: str = ""  # the query modes of the table's results (official, query_agnostic, no_query)
 
 
 def select_metrics(metrics: pd.DataFrame, task: str, wanted: list[str] | None) -> pd.DataFrame:
@@ -87,7 +88,8 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
     order = row_order(list(values.index), list(cfg.method_order), budget_kind)
     values = values.reindex(pd.MultiIndex.from_tuples(order, names=INDEX))
     values = add_averages(values, data_columns, task)
-    table = Table(task, values, data_columns, column_metric=column_metric)
+    modes = ", ".join(sorted(rows["mode"].dropna().astype(str).unique())) if "mode" in rows else ""
+    table = Table(task, values, data_columns, column_metric=column_metric, modes=modes or "unrecorded")
     table.bold = best_per_block(values, {c: lower_is_better(m) for c, (_, m) in column_metric.items()})
     table.delta = delta_vs_full(values, data_columns, task)
     if cfg.ci or cfg.pvalues:
@@ -120,7 +122,8 @@ def paper_rows(rows: pd.DataFrame, reference: pd.DataFrame, task: str, columns: 
 
 def add_averages(values: pd.DataFrame, data_columns: list[str], task: str) -> pd.DataFrame:
     """LongBench category averages and the suite's overall average, each the mean of the row's dataset
-    columns (NaN where the row misses one of them), as the papers compute them."""
+    columns (NaN where the row misses one of them), as the papers compute them; for LongBench also the
+    official leaderboard's Avg per language (the mean of that language's category means)."""
     if task not in SUITE_AVERAGE or len(data_columns) < 2:
         return values
     values = values.copy()
@@ -130,6 +133,13 @@ def add_averages(values: pd.DataFrame, data_columns: list[str], task: str) -> pd
             if members and len(members) < len(data_columns):
                 values[f"avg:{category}"] = values[members].mean(axis=1, skipna=False)
     values[SUITE_AVERAGE[task]] = values[data_columns].mean(axis=1, skipna=False)
+    if task == "longbench":
+        for language in ("en", "zh"):
+            categories = {CATEGORY_OF[c] for c in data_columns if c in CATEGORY_OF and language_of(c) == language}
+            means = [values[[c for c in data_columns if CATEGORY_OF.get(c) == category and language_of(c) == language]]
+                     .mean(axis=1, skipna=False) for category in sorted(categories)]
+            if means:
+                values[f"avg:leaderboard_{language}"] = pd.concat(means, axis=1).mean(axis=1, skipna=False)
     return values
 
 

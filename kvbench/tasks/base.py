@@ -45,6 +45,26 @@ class Prompt:
     truncated: bool = False
 
 
+# Query modes. official: the task's own prompt, prefilled (and compressed) whole. query_agnostic: the
+# context is prefilled and compressed alone, the question (and what follows it) is fed afterwards
+# (Prompt.suffix_ids), so methods that look at the last prompt tokens cannot see the question.
+MODES = ("official", "query_agnostic")
+NO_QUERY = "no_query"  # the mode recorded by tasks without a question (perplexity, efficiency)
+# Where the question part starts in the chat-templated text (query_agnostic); never part of benchmark text.
+SPLIT_MARKER = "\u0000kvbench-question\u0000"
+
+
+def encode_parts(lm: "LanguageModel", head: str, tail: str, templated: bool) -> tuple[list[int], list[int]]:
+    """Token ids of ``head`` (prefilled, compressed) and ``tail`` (fed after compression) such that together
+    they are the prompt ``head + tail`` (chat-templated if ``templated``), tokenized as two pieces."""
+    if not templated:
+        return lm.encode_prompt(head, templated=False), lm.encode(tail, add_special_tokens=False)
+    before, found, after = lm.chat(head + SPLIT_MARKER + tail).partition(SPLIT_MARKER)
+    if not found:
+        raise ConfigError(f"model '{lm.name}': its chat template altered the prompt; use task.mode=official")
+    return lm.encode_prompt(before, templated=True), lm.encode(after, add_special_tokens=False)
+
+
 class Task:
     """Base class. Subclasses are configured by Hydra (``conf/task/<name>.yaml``)."""
 
@@ -86,7 +106,8 @@ class Task:
                 values = group[col].dropna()
                 if len(values):
                     rows.append({"dataset": dataset, "metric": col[len("metric."):],
-                                 "value": round(100 * float(values.mean()), 2), "n": int(len(values))})
+                                 "value": round(100 * float(values.mean()), 2), "n": int(len(values)),
+                                 "mode": getattr(self, "mode", NO_QUERY)})
         return rows
 
     def artifacts(self, predictions: pd.DataFrame) -> dict[str, str]:
@@ -123,6 +144,7 @@ class Task:
                     "prediction": text,
                     "references": list(sample.references),
                     "output_tokens": len(gen.tokens),
+                    "mode": getattr(self, "mode", NO_QUERY),
                     **generation_measurements(gen),
                     **{f"meta.{k}": v for k, v in sample.meta.items() if isinstance(v, (int, float, str))},
                 }

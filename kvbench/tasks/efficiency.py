@@ -5,13 +5,13 @@ Synthetic prompts of the configured lengths (random token ids: speed does not de
 number of new tokens with EOS disabled. Each run measures the configured method and, as the ratio
 denominators, the full cache through kvbench's engine in the same process, so ratios come from one run.
 
-``mode=latency`` (default): warm-up and repeats at each configured batch size, three systems on identical
+``measure=latency`` (default): warm-up and repeats at each configured batch size, three systems on identical
 prompts:
   ``method``  the configured method through kvbench's engine,
   ``full``    the full cache through kvbench's engine,
   ``bare``    plain ``model.generate`` with the model's own cache (harness overhead = full / bare).
 
-``mode=throughput``: per context length, the largest batch that fits a memory cap is searched for the method
+``measure=throughput``: per context length, the largest batch that fits a memory cap is searched for the method
 and for the full cache (grow geometrically from ``batch_start`` by ``batch_growth`` until a batch fails, then
 bisect until the gap is at most ``batch_precision`` of the batch that fitted; on CUDA a growth step stops at
 the batch the peak-memory line of the last two tries predicts; every try is a real ``engine.generate``
@@ -57,13 +57,13 @@ from kvbench.hardware import (MemoryCap, copy_bandwidth, free_memory_bytes, memo
                               tpot_bound_seconds)
 from kvbench.memory import PeakMemory
 from kvbench.methods.full import Full
-from kvbench.tasks.base import Prompt, Sample, Task
+from kvbench.tasks.base import NO_QUERY, Prompt, Sample, Task
 
-MODES = ("latency", "throughput")
+MEASURE_KINDS = ("latency", "throughput")
 SYSTEMS = ("method", "full", "bare")
 MEASURES = ("ttft_seconds", "tpot_seconds", "tpot_bound_seconds", "peak_memory_bytes",
             "peak_memory_above_weights_bytes", "throughput_tokens_per_second", "decode_tokens_per_second")
-# throughput mode: the measures whose method/full ratio is reported
+# measure=throughput: the measures whose method/full ratio is reported
 THROUGHPUT_RATIOS = ("max_batch", "decode_tokens_per_second", "throughput_tokens_per_second", "tpot_seconds",
                      "tpot_bound_seconds", "peak_memory_bytes")
 GIB = 2**30
@@ -72,7 +72,7 @@ GIB = 2**30
 @dataclass
 class Efficiency(Task):
     name: ClassVar[str] = "efficiency"
-    mode: str = "latency"
+    measure: str = "latency"
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     new_tokens: int = 32
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # latency mode
@@ -87,8 +87,8 @@ class Efficiency(Task):
     memory_bandwidth_gbps: float | None = None  # GB/s (1e9 bytes/s); None = measured once per run
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"efficiency.mode='{self.mode}' is unknown; accepted: {', '.join(MODES)}")
+        if self.measure not in MEASURE_KINDS:
+            raise ConfigError(f"efficiency.measure='{self.measure}' is unknown; accepted: {', '.join(MEASURE_KINDS)}")
         if self.new_tokens < 2:
             raise ConfigError(f"efficiency.new_tokens={self.new_tokens} must be >= 2 (TPOT needs two tokens)")
         for name in ("context_lengths", "batch_sizes"):
@@ -107,7 +107,7 @@ class Efficiency(Task):
         self._bandwidth: float | None = None  # bytes/s, measured on first use
 
     def samples(self) -> list[Sample]:
-        if self.mode == "throughput":
+        if self.measure == "throughput":
             return [Sample(id=f"len{n}-throughput", context="",
                            meta={"dataset": f"len{n}_throughput", "context_length": n})
                     for n in self.context_lengths]
@@ -129,9 +129,9 @@ class Efficiency(Task):
     def predict(self, samples: list[Sample], lm, engine: Engine) -> list[dict]:
         full = engine.with_method(Full(), Budget("fraction", 1.0))
         self._memory_bandwidth(engine.device)  # once per run, before anything is timed or capped
-        cell = self._throughput_cell if self.mode == "throughput" else self._latency_cell
-        return [row for sample in samples for row in cell(sample, self.build_prompt(sample, lm).context_ids,
-                                                           engine, full)]
+        cell = self._throughput_cell if self.measure == "throughput" else self._latency_cell
+        return [{**row, "mode": NO_QUERY} for sample in samples
+                for row in cell(sample, self.build_prompt(sample, lm).context_ids, engine, full)]
 
     # -- latency ----------------------------------------------------------------------------------------
 
@@ -226,7 +226,7 @@ class Efficiency(Task):
     def _throughput_cell(self, sample: Sample, prompt: list[int], engine: Engine, full: Engine) -> list[dict]:
         device = engine.device
         if device.type not in ("cuda", "cpu"):
-            raise ConfigError(f"efficiency.mode=throughput runs on cuda or cpu, not on '{device.type}'")
+            raise ConfigError(f"efficiency.measure=throughput runs on cuda or cpu, not on '{device.type}'")
         cap = int(self.memory_cap_gib * GIB) if self.memory_cap_gib else free_memory_bytes(device)
         base = {"dataset": sample.meta["dataset"], "prompt_length": len(prompt), "output_tokens": self.new_tokens,
                 "memory_cap_bytes": cap}
@@ -272,11 +272,9 @@ class Efficiency(Task):
     # -- metrics ----------------------------------------------------------------------------------------
 
     def aggregate(self, predictions: pd.DataFrame) -> list[dict]:
-        if self.mode == "throughput":
-            return [row for dataset, cell in predictions.groupby("dataset", sort=True)
-                    for row in throughput_metrics(dataset, cell)]
-        return [row for dataset, cell in predictions.groupby("dataset", sort=True)
-                for row in latency_metrics(dataset, cell)]
+        metrics = throughput_metrics if self.measure == "throughput" else latency_metrics
+        return [{**row, "mode": NO_QUERY} for dataset, cell in predictions.groupby("dataset", sort=True)
+                for row in metrics(dataset, cell)]
 
 
 class StepClock(LogitsProcessor):

@@ -11,7 +11,10 @@ Two named modes, recorded in ``task.mode`` and every sample's ``meta.mode``:
 Greedy decoding with ``dataset2maxlen.json``; samsum also stops at a newline and generates >= 1 token.
 Scoring (``score_sample``): first line only for trec/triviaqa/samsum/lsht, max over answers of the dataset's
 metric. Dataset score ``round(100 * mean, 2)``; LongBench-E also per length bucket (<4k, 4-8k, 8k+ of the
-``length`` field). Category averages and the overall average (mean of dataset scores) are extra rows.
+``length`` field). Extra rows, each named: ``avg:<category>`` (mean of the category's dataset scores),
+``avg:overall`` (mean of all dataset scores, what KV-cache papers print as "Avg") and
+``avg:leaderboard_en`` / ``avg:leaderboard_zh`` (the official leaderboard's "Avg": per language, the mean of
+its category averages; [I] the code datasets count as English, the leaderboard's English table holds them).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import ClassVar
 import pandas as pd
 
 from kvbench.errors import ConfigError, unknown_name
-from kvbench.tasks.base import Prompt, Sample, Task
+from kvbench.tasks.base import MODES, Prompt, Sample, Task, encode_parts
 from kvbench.tasks.longbench_metrics import DATASET2METRIC, FIRST_LINE_DATASETS
 from kvbench.tasks.sources import PACKAGE_DATA, DataRef, check_source, load_records
 
@@ -42,6 +45,7 @@ CATEGORIES = {
     "code": ("lcc", "repobench-p"),
 }
 CATEGORY_OF = {d: c for c, datasets in CATEGORIES.items() for d in datasets}
+CHINESE_DATASETS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
 ALL_DATASETS = tuple(DATASET2METRIC)
 ENGLISH_DATASETS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                     "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
@@ -49,11 +53,8 @@ ENGLISH_DATASETS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wi
 E_DATASETS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
               "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
 NO_CHAT_TEMPLATE = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
-MODES = ("official", "query_agnostic")
 VARIANTS = ("standard", "e")
 BUCKETS = ("0-4k", "4-8k", "8k+")
-# Where the question part starts in the chat-templated text (query_agnostic); never part of benchmark text.
-SPLIT_MARKER = "\u0000kvbench-question\u0000"
 
 
 def score_sample(dataset: str, prediction: str, answers: list[str], all_classes=None) -> float:
@@ -82,17 +83,6 @@ def middle_truncate(text: str, lm, max_length: int) -> tuple[str, bool]:
         return text, False
     half = int(max_length / 2)
     return lm.decode(ids[:half]) + lm.decode(ids[-half:]), True
-
-
-def encode_parts(lm, head: str, tail: str, templated: bool) -> tuple[list[int], list[int]]:
-    """Token ids of ``head`` (prefilled, compressed) and ``tail`` (fed after compression) such that together
-    they are the prompt ``head + tail`` (chat-templated if ``templated``), tokenized as two pieces."""
-    if not templated:
-        return lm.encode_prompt(head, templated=False), lm.encode(tail, add_special_tokens=False)
-    before, found, after = lm.chat(head + SPLIT_MARKER + tail).partition(SPLIT_MARKER)
-    if not found:
-        raise ConfigError(f"model '{lm.name}': its chat template altered the prompt; use task.mode=official")
-    return lm.encode_prompt(before, templated=True), lm.encode(after, add_special_tokens=False)
 
 
 @dataclass
@@ -138,8 +128,8 @@ class LongBench(Task):
         for dataset in self.datasets:
             config = f"{dataset}_e" if self.variant == "e" else dataset
             files = tuple(f"{prefix}{config}.{ext}" for prefix in ("", "data/") for ext in ("jsonl", "parquet", "json"))
-            records, provenance = load_records(DataRef(HUB_ID, config, "test", files), self.source,
-                                               self.data_dir, self.revision, SAMPLE_DIR)
+            ref = DataRef(HUB_ID, config, "test", files, hub_file="data.zip", member=f"data/{config}.jsonl")
+            records, provenance = load_records(ref, self.source, self.data_dir, self.revision, SAMPLE_DIR)
             for record in records[: self.samples_per_dataset]:
                 out.append(self._sample(dataset, record, provenance))
         return out
@@ -199,10 +189,11 @@ class LongBench(Task):
                         rows.append(self._row(dataset, _percent(in_bucket), len(in_bucket), bucket))
         return rows + self._averages(rows)
 
-    def _row(self, dataset: str, value: float, n: int, bucket: str, category: str | None = None) -> dict:
+    def _row(self, dataset: str, value: float, n: int, bucket: str, category: str | None = None,
+             scorer: str = "mean_of_datasets") -> dict:
         return {"dataset": dataset, "metric": "score", "value": value, "n": n, "length_bucket": bucket,
                 "category": category or CATEGORY_OF[dataset], "mode": self.mode,
-                "scorer": DATASET2METRIC[dataset].__name__ if category is None else "mean_of_datasets"}
+                "scorer": DATASET2METRIC[dataset].__name__ if category is None else scorer}
 
     def _averages(self, dataset_rows: list[dict]) -> list[dict]:
         out = []
@@ -214,7 +205,25 @@ class LongBench(Task):
                 if members:
                     value = round(sum(r["value"] for r in members) / len(members), 2)
                     out.append(self._row(f"avg:{category}", value, sum(r["n"] for r in members), bucket, category))
+            for language in ("en", "zh"):
+                members = [r for r in rows if language_of(r["dataset"]) == language]
+                if members:
+                    value = round(leaderboard_average({r["dataset"]: r["value"] for r in members}), 2)
+                    out.append(self._row(f"avg:leaderboard_{language}", value, sum(r["n"] for r in members), bucket,
+                                         f"leaderboard_{language}", "mean_of_category_means"))
         return out
+
+
+def language_of(dataset: str) -> str:
+    return "zh" if dataset in CHINESE_DATASETS else "en"
+
+
+def leaderboard_average(scores: dict[str, float]) -> float:
+    """The official leaderboard's Avg of one language's dataset scores: the mean of its category means."""
+    by_category: dict[str, list[float]] = {}
+    for dataset, score in scores.items():
+        by_category.setdefault(CATEGORY_OF[dataset], []).append(score)
+    return sum(sum(v) / len(v) for v in by_category.values()) / len(by_category)
 
 
 def _percent(scores: list[float]) -> float:

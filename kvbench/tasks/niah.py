@@ -5,16 +5,24 @@ room left for it; the needle's tokens go in at ``int(n_haystack * depth / 100)``
 nearest preceding sentence-ending ``'.'`` token (depth 100: appended at the end); the tokens are decoded
 back to text. The prompt is the KV-paper template (SnapKV/PyramidKV via KVCache-Factory)
 ``This is a very long story book: <book> {context} </book>.\\n Based on the content of the book,
-Question: {question}\\nAnswer:`` inside the model's chat format, whose own ``<|im_start|>`` replaces the
-literal ``"<|im_start|> "`` the KV-paper code puts in front. Greedy, ``max_new_tokens`` 30, stopping on EOS or
-a newline token.
+Question: {question}\\nAnswer:``. Greedy, ``max_new_tokens`` 30, stopping on EOS or a newline token.
+
+Two named presets (``preset``; ``question`` / ``chat_template`` override them one by one):
+* ``kamradt``: Kamradt's question ``What is the best thing to do in San Francisco?``, the template inside the
+  model's chat format (whose own ``<|im_start|>`` replaces the literal one of the KV-paper code);
+* ``kv_papers``: the KV-cache papers' run as their code does it: question ``The best thing to do in San
+  Francisco is: ``, no chat template, the literal ``"<|im_start|> "`` in front of the template.
+
+``mode=query_agnostic``: the text up to ``</book>.`` (the haystack with the needle) is prefilled and
+compressed alone; the question part is fed afterwards.
 
 Length: ``context_length`` counts model tokens of the whole templated prompt (chat template included) plus
 ``final_context_length_buffer``: the haystack is cut so that the prompt is ``context_length - buffer`` tokens
 (up to a few tokens of re-tokenisation at the joins). Kamradt subtracts the same buffer (200) but measures
 only haystack + needle, leaving the template inside the buffer; the KV papers do likewise.
 
-Scoring (``metrics``, fractions in [0, 1]; the runner reports mean x 100 per metric):
+Scoring (``metrics``, fractions in [0, 1] per sample; metric rows are the mean x 100, on a 0-100 scale, and
+name their convention in ``scorer``):
 * ``rouge1``: ``rouge_score`` rouge1 F-measure with stemmer of needle vs response, the score the KV-paper
   code stores (it stores it x 10, on a 0-10 scale);
 * ``word_recall``: the KV papers' heatmap score (``visualize.py``): |set(response words) & set(answer
@@ -33,7 +41,9 @@ from typing import ClassVar
 from rouge_score import rouge_scorer
 
 from kvbench.errors import ConfigError, unknown_name
-from kvbench.tasks.base import Prompt, Sample, Task
+import pandas as pd
+
+from kvbench.tasks.base import MODES, Prompt, Sample, Task, encode_parts
 from kvbench.tasks.sources import PACKAGE_DATA
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -41,6 +51,13 @@ QUESTION = "What is the best thing to do in San Francisco?"
 ANSWER = "eat a sandwich and sit in dolores park on a sunny day."
 PROMPT = ("This is a very long story book: <book> {context} </book>.\n Based on the content of the book, "
           "Question: {question}\nAnswer:")
+QUESTION_AT = PROMPT.index("\n Based on")  # query_agnostic: the question part starts here
+PRESETS = {  # preset -> (question, chat template, text in front of the prompt)
+    "kamradt": (QUESTION, True, ""),
+    "kv_papers": ("The best thing to do in San Francisco is: ", False, "<|im_start|> "),
+}
+SCORERS = {"rouge1": "kv_papers_rouge1_f_stemmer (their code stores it x10: 0-10)",
+           "word_recall": "kv_papers_heatmap_word_recall (visualize.py)"}
 BUNDLED_HAYSTACK = PACKAGE_DATA / "niah" / "kjv_genesis_exodus.txt"
 HAYSTACKS = ("bundled", "paul_graham")
 METRICS = ("rouge1", "word_recall")
@@ -107,8 +124,11 @@ class Niah(Task):
     context_lengths: list[int] = field(default_factory=lambda: [1000, 2000])
     depths: list[float] = field(default_factory=lambda: [0, 50, 100])
     haystack: str = "bundled"
+    preset: str = "kamradt"
+    mode: str = "official"
     needle: str = NEEDLE
-    question: str = QUESTION
+    question: str | None = None  # None: the preset's
+    chat_template: bool | None = None  # None: the preset's
     answer: str = ANSWER
     final_context_length_buffer: int = 200
     max_new_tokens: int = 30
@@ -118,6 +138,13 @@ class Niah(Task):
     def __post_init__(self) -> None:
         if self.haystack not in HAYSTACKS:
             raise unknown_name("niah.haystack", self.haystack, HAYSTACKS)
+        if self.preset not in PRESETS:
+            raise unknown_name("niah.preset", self.preset, PRESETS)
+        if self.mode not in MODES:
+            raise unknown_name("niah.mode", self.mode, MODES)
+        question, chat_template, self._lead = PRESETS[self.preset]
+        self.question = question if self.question is None else self.question
+        self.chat_template = chat_template if self.chat_template is None else self.chat_template
         bad = [m for m in self.metrics if m not in METRICS]
         if bad or not self.metrics:
             raise ConfigError(f"niah.metrics={list(self.metrics)}; accepted: {', '.join(METRICS)}")
@@ -137,7 +164,7 @@ class Niah(Task):
             Sample(id=f"niah-{length}-{depth:g}", context="", question=self.question,
                    references=[self.needle.strip()],
                    meta={"dataset": "niah", "context_length": int(length), "depth": float(depth),
-                         "haystack": self.haystack})
+                         "haystack": self.haystack, "preset": self.preset, "mode": self.mode})
             for length in self.context_lengths for depth in self.depths
         ]
 
@@ -159,7 +186,7 @@ class Niah(Task):
 
     def context_text(self, lm, context_length: int, depth: float) -> str:
         """The haystack with the needle, sized so the templated prompt has context_length - buffer tokens."""
-        fixed = len(self._encode(lm, ""))
+        fixed = sum(len(ids or []) for ids in self._encode(lm, ""))
         needle = lm.encode(self.needle, add_special_tokens=False)
         room = context_length - self.final_context_length_buffer - fixed - len(needle)
         if room < MIN_HAYSTACK_TOKENS:
@@ -173,15 +200,26 @@ class Niah(Task):
         periods = {t for t in set(haystack) if lm.decode([t]).rstrip().endswith(".")}
         return lm.decode(insert_needle(haystack, needle, depth, periods))
 
-    def _encode(self, lm, context: str) -> list[int]:
-        return lm.encode_prompt(lm.chat(PROMPT.format(context=context, question=self.question)), templated=True)
+    def _encode(self, lm, context: str) -> tuple[list[int], list[int] | None]:
+        """(prefilled ids, ids fed after prefill compression or None) of the prompt around ``context``."""
+        text = self._lead + PROMPT.format(context=context, question=self.question)
+        if self.mode == "official":
+            templated_text = lm.chat(text) if self.chat_template else text
+            return lm.encode_prompt(templated_text, templated=self.chat_template), None
+        cut = len(self._lead) + QUESTION_AT + len(context) - len("{context}")
+        return encode_parts(lm, text[:cut], text[cut:], self.chat_template)
 
     def build_prompt(self, sample: Sample, lm) -> Prompt:
         context = self.context_text(lm, sample.meta["context_length"], sample.meta["depth"])
         stops = newline_token_ids(lm) if self.stop_on_newline else set()
-        return Prompt(context_ids=self._encode(lm, context), max_new_tokens=self.max_new_tokens,
-                      stop_token_ids=stops)
+        ids, suffix = self._encode(lm, context)
+        return Prompt(context_ids=ids, suffix_ids=suffix, max_new_tokens=self.max_new_tokens, stop_token_ids=stops)
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         values = {"rouge1": rouge1(self.needle, prediction), "word_recall": word_recall(self.answer, prediction)}
         return {name: values[name] for name in self.metrics}
+
+    def aggregate(self, predictions: pd.DataFrame) -> list[dict]:
+        """Mean x 100 per metric (0-100), with the scoring convention, the scale and the preset named."""
+        return [{**row, "scorer": SCORERS[row["metric"]], "scale": "0-100 (mean of per-sample fractions x 100)",
+                 "preset": self.preset} for row in super().aggregate(predictions)]

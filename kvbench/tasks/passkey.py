@@ -5,6 +5,9 @@ answer prefix ``The pass key is``, which the model continues. With a chat format
 the assistant turn (after the template), the chat equivalent of the raw-text completion; inside the user
 turn, SmolLM2-135M-Instruct re-states it and runs out of its 10 tokens (exact match 2/6 vs 6/6 at 512-1k).
 
+``mode=query_agnostic``: instruction and filler (with the needle) are prefilled and compressed alone; the
+question (and the chat template's tail and the answer prefix) is fed afterwards.
+
 Scoring: ``exact_match`` = the passkey digits appear in the prediction; ``partial_match`` = longest common
 substring of passkey and prediction / passkey length (the longctx_bench partial score).
 """
@@ -16,8 +19,8 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import ClassVar
 
-from kvbench.errors import ConfigError
-from kvbench.tasks.base import Prompt, Sample, Task
+from kvbench.errors import ConfigError, unknown_name
+from kvbench.tasks.base import MODES, Prompt, Sample, Task, encode_parts
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -40,8 +43,11 @@ class Passkey(Task):
     key_digits: int = 5
     max_new_tokens: int = 10
     seed: int = 42
+    mode: str = "official"
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise unknown_name("passkey.mode", self.mode, MODES)
         if not self.context_lengths or min(self.context_lengths) < 64:
             raise ConfigError(f"passkey.context_lengths={list(self.context_lengths)}: each must be >= 64 tokens")
         bad = [d for d in self.depths if not 0 <= d <= 100]
@@ -58,7 +64,8 @@ class Passkey(Task):
                     out.append(Sample(
                         id=f"passkey-{length}-{depth:g}-{i}", context="", question=QUESTION,
                         answer_prefix=ANSWER_PREFIX, references=[key],
-                        meta={"dataset": "passkey", "context_length": length, "depth": depth, "key": key},
+                        meta={"dataset": "passkey", "context_length": length, "depth": depth, "key": key,
+                              "mode": self.mode},
                     ))
         return out
 
@@ -66,19 +73,25 @@ class Passkey(Task):
         key, length, depth = sample.meta["key"], sample.meta["context_length"], sample.meta["depth"]
         needle = NEEDLE.format(key=key)
         # measured as the final prompt is encoded (a BOS added for format-string chat formats counts too)
-        fixed = len(self._encode(lm, f"{INSTRUCTION}\n{needle}"))
+        fixed = sum(len(ids or []) for ids in self._encode(lm, f"{INSTRUCTION}\n{needle}"))
         per_filler = max(1, len(lm.encode(FILLER * 8, add_special_tokens=False)) / 8)
         n_filler = max(0, int((length - fixed) / per_filler))  # no filler if the target is below `fixed`
         before = round(n_filler * depth / 100)
         text = f"{INSTRUCTION}\n{FILLER * before}{needle}{FILLER * (n_filler - before)}"
-        return Prompt(context_ids=self._encode(lm, text), max_new_tokens=self.max_new_tokens)
+        ids, suffix = self._encode(lm, text)
+        return Prompt(context_ids=ids, suffix_ids=suffix, max_new_tokens=self.max_new_tokens)
 
-    @staticmethod
-    def _encode(lm, text: str) -> list[int]:
-        """Question in the user turn; the answer prefix after the chat template, so the model continues it."""
-        if lm.chat_format is None:
-            return lm.encode_prompt(f"{text}\n{QUESTION} {ANSWER_PREFIX}", templated=False)
-        return lm.encode_prompt(lm.chat(f"{text}\n{QUESTION}") + ANSWER_PREFIX, templated=True)
+    def _encode(self, lm, text: str) -> tuple[list[int], list[int] | None]:
+        """(prefilled ids, ids fed after prefill compression or None). Question in the user turn; the answer
+        prefix after the chat template, so the model continues it."""
+        templated = lm.chat_format is not None
+        if self.mode == "query_agnostic":
+            ids, suffix = encode_parts(lm, text, f"\n{QUESTION}" + ("" if templated else f" {ANSWER_PREFIX}"),
+                                       templated)
+            return ids, suffix + (lm.encode(ANSWER_PREFIX, add_special_tokens=False) if templated else [])
+        if not templated:
+            return lm.encode_prompt(f"{text}\n{QUESTION} {ANSWER_PREFIX}", templated=False), None
+        return lm.encode_prompt(lm.chat(f"{text}\n{QUESTION}") + ANSWER_PREFIX, templated=True), None
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         key = sample.meta["key"]

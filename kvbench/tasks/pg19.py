@@ -11,7 +11,8 @@ the logits of the pass that fed token t-1 (teacher forcing).
 * ``protocol=chunked``: ``stride`` tokens per pass; the method then compresses once per chunk and sees the
   whole chunk's attention statistics.
 * ``reset_per_document=false``: the documents of the run share one cache, as StreamingLLM (documents are
-  concatenated; each document's own first ``prefill_tokens`` tokens are fed but not scored).
+  concatenated; each document's own first ``prefill_tokens`` tokens are fed but not scored, and its last
+  token is a target only: StreamingLLM never feeds it either, so nothing crosses the boundary).
 
 Budget: a fractional budget is a fraction of the tokens each document pushes through the cache
 (``fraction_of=evaluated``: prefill + evaluated tokens, converted to a token budget per document), or the
@@ -40,7 +41,7 @@ from torch import Tensor
 from kvbench.budget import Budget
 from kvbench.engine import Engine, Generation, Session, peak_memory_bytes
 from kvbench.errors import ConfigError, unknown_name
-from kvbench.tasks.base import Prompt, Sample, Task, generation_measurements
+from kvbench.tasks.base import NO_QUERY, Prompt, Sample, Task, generation_measurements
 from kvbench.tasks.sources import PACKAGE_DATA, DataRef, load_records, read_records
 
 PROTOCOLS = ("streaming", "chunked")
@@ -101,7 +102,7 @@ class PG19(Task):
             text = path.read_text(encoding="utf-8")
             return [{"text": text, "short_book_title": path.name}], {"data_source": "text_file",
                                                                       "data_path": str(path)}, path.stem
-        ref = DataRef(self.hub_id, self.hub_config, "test", LOCAL_FILES)
+        ref = DataRef(self.hub_id, self.hub_config, "test", LOCAL_FILES, hub_file=HUB_SHARDS)
         if self.source == "local" and self.data_dir:
             shards = sorted(Path(self.data_dir).glob(HUB_SHARDS))
             if shards and not any((Path(self.data_dir) / f).is_file() for f in LOCAL_FILES):
@@ -215,11 +216,11 @@ class PG19(Task):
         """Feed ids[:, start:] (B, n) ``step`` tokens per pass with decode-time compression.
 
         Returns the (B, n-1-start) NLL of targets ids[:, start+1:n], the longest cache row seen, the number of
-        passes and, per row, the K+V bytes of the cache summed over passes. A document's last token is fed
-        only into a stream (the next document reads it)."""
+        passes and, per row, the K+V bytes of the cache summed over passes. A document's last token is only a
+        target, never fed, also in a stream (as StreamingLLM's eval_long_ppl, which feeds tokens 0..n-2 of each
+        text): the next document does not see it."""
         step = 1 if self.protocol == "streaming" else self.stride
-        n = ids.shape[1]
-        end = n if not self.reset_per_document else n - 1
+        end = ids.shape[1] - 1
         peak = int(session.cache.lengths().max())
         rows = range(ids.shape[0])
         kv_read = [0] * ids.shape[0]
@@ -265,6 +266,7 @@ class PG19(Task):
             "window_nll_sum": [float(w.sum()) for w in windows],
             "window_tokens": [int(w.numel()) for w in windows],
             "kept_peak": peak,
+            "mode": NO_QUERY,
             **generation_measurements(gen),
             **{f"meta.{k}": v for k, v in sample.meta.items() if isinstance(v, (int, float, str))},
         }
@@ -292,4 +294,4 @@ class PG19(Task):
 
 def _ppl_row(dataset: str, metric: str, nll_sum: float, tokens: int, docs: int) -> dict:
     value = math.exp(nll_sum / tokens) if tokens else float("nan")
-    return {"dataset": dataset, "metric": metric, "value": value, "n": docs, "tokens": tokens}
+    return {"dataset": dataset, "metric": metric, "value": value, "n": docs, "tokens": tokens, "mode": NO_QUERY}

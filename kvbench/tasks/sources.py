@@ -1,6 +1,10 @@
 """Where benchmark records come from: ``task.source=hub|local|sample``.
 
-* ``hub``: ``datasets.load_dataset(hub_id, config, split=..., revision=...)`` (needs the network);
+* ``hub``: the benchmark's own data files, fetched from the HF hub with ``huggingface_hub`` into its cache
+  (``HF_HOME``; ``HF_ENDPOINT`` picks the server) and read by the same readers as local files. No
+  ``datasets`` loading scripts are run (``datasets>=4`` refuses them): LongBench's ``data.zip``,
+  ZeroSCROLLS' ``<task>.zip``, the parquet files of PG19 and GSM8K. The commit sha the hub served is
+  recorded as the revision;
 * ``local``: the same records as files under ``task.data_dir`` (jsonl, json or parquet; see each task for
   the file names it looks for), for machines without the hub;
 * ``sample``: the small fixtures shipped in ``kvbench/data/<benchmark>/sample`` (real field layout,
@@ -12,7 +16,10 @@ into ``Sample.meta`` so it lands in every result row.
 
 from __future__ import annotations
 
+import fnmatch
+import io
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +31,14 @@ PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
 
 @dataclass(frozen=True)
 class DataRef:
-    """One record set: a hub dataset config+split, and the file names it has in a local/sample directory."""
+    """One record set: where it is in the hub repository, and the file names it has in a local/sample folder."""
 
     hub_id: str
     config: str
     split: str
     files: tuple[str, ...]  # relative paths tried in order under data_dir / the sample directory
+    hub_file: str  # path in the hub repository: a records file, a zip archive (see member) or a glob of shards
+    member: str | None = None  # the records file inside the zip archive ``hub_file``
 
 
 def check_source(source: str, data_dir: str | None) -> None:
@@ -44,7 +53,11 @@ def load_records(ref: DataRef, source: str, data_dir: str | None, revision: str 
     """Records (dicts with the benchmark's own field names) and their provenance."""
     check_source(source, data_dir)
     if source == "hub":
-        return _from_hub(ref, revision)
+        paths, sha = hub_files(ref.hub_id, ref.hub_file, revision)
+        records = [r for path in paths for r in read_records(path, ref.member)]
+        where = ref.hub_file + (f"::{ref.member}" if ref.member else "")
+        return records, {"data_source": "hub", "dataset_id": ref.hub_id, "dataset_config": ref.config,
+                         "dataset_split": ref.split, "dataset_revision": sha, "data_path": where}
     folder = Path(data_dir) if source == "local" else sample_dir
     path = next((folder / name for name in ref.files if (folder / name).is_file()), None)
     if path is None:
@@ -56,43 +69,72 @@ def load_records(ref: DataRef, source: str, data_dir: str | None, revision: str 
     return read_records(path), provenance
 
 
-def read_records(path: Path) -> list[dict]:
-    """jsonl (one object per line), json (a list of objects) or parquet."""
-    if path.suffix == ".parquet":
+def read_records(path: Path, member: str | None = None) -> list[dict]:
+    """jsonl (one object per line), json (a list of objects) or parquet; ``member``: that file inside the
+    zip archive ``path`` (read in place, not extracted)."""
+    if member is not None:
+        with zipfile.ZipFile(path) as archive:
+            return _parse(archive.read(member), Path(member).suffix)
+    return _parse(Path(path).read_bytes(), Path(path).suffix)
+
+
+def _parse(data: bytes, suffix: str) -> list[dict]:
+    if suffix == ".parquet":
         import pandas as pd
 
-        return pd.read_parquet(path).to_dict(orient="records")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
+        return pd.read_parquet(io.BytesIO(data)).to_dict(orient="records")
+    text = data.decode("utf-8")
+    if suffix == ".json":
         return json.loads(text)
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _from_hub(ref: DataRef, revision: str | None) -> tuple[list[dict], dict]:
-    local_hint = (f"download the files and set task.source=local task.data_dir=DIR (looked up there as "
-                  f"{ref.files[0]}), or use task.source=sample")
+def hub_files(hub_id: str, pattern: str, revision: str | None) -> tuple[list[Path], str]:
+    """Local paths of the dataset repository's file ``pattern`` (or of every file matching it, if it is a
+    glob) at ``revision`` (default: main), downloaded once into the huggingface_hub cache, and the commit sha
+    they come from. Without a connection the cached files of that revision are used."""
+    from huggingface_hub import hf_hub_download
+
     try:
-        import datasets
-    except ImportError as err:
-        raise ConfigError(f"task.source=hub needs the 'datasets' package (pip install datasets); "
-                          f"or {local_hint}") from err
-    try:
-        data = datasets.load_dataset(ref.hub_id, ref.config, split=ref.split, revision=revision)
-    except Exception as err:  # noqa: BLE001 - offline, unknown config, script datasets on datasets>=4 ...
-        reason = " ".join(str(err).split())[:160]
-        raise ConfigError(f"could not load {ref.hub_id} '{ref.config}' ({ref.split}) from the HF hub "
-                          f"({type(err).__name__}: {reason}); {local_hint}") from err
-    provenance = {"data_source": "hub", "dataset_id": ref.hub_id, "dataset_config": ref.config,
-                  "dataset_split": ref.split, "dataset_revision": _resolved_revision(ref.hub_id, revision),
-                  "data_path": ""}
-    return [dict(row) for row in data], provenance
+        names = _matching(hub_id, pattern, revision) if _is_glob(pattern) else [pattern]
+        paths = [Path(hf_hub_download(hub_id, name, repo_type="dataset", revision=revision)) for name in names]
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo/revision/file, HTTP errors ...
+        reason = " ".join(str(err).split())[:200]
+        raise ConfigError(f"could not fetch '{pattern}' of {hub_id} (revision {revision or 'main'}) from the HF "
+                          f"hub ({type(err).__name__}: {reason}); download it and set task.source=local "
+                          "task.data_dir=DIR, or use task.source=sample") from err
+    commits = {snapshot_commit(path, name) for path, name in zip(paths, names)}
+    if len(commits) > 1:  # the branch moved between two downloads
+        raise ConfigError(f"{hub_id} files '{pattern}' came from several commits {sorted(commits)}; run again "
+                          "or pin task.revision to one commit")
+    return paths, commits.pop()
 
 
-def _resolved_revision(hub_id: str, revision: str | None) -> str:
-    """The commit sha the hub serves for ``revision`` (what was actually read), else the name asked for."""
-    try:
-        from huggingface_hub import HfApi
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
-        return HfApi().dataset_info(hub_id, revision=revision).sha or (revision or "main")
-    except Exception:  # noqa: BLE001 - provenance is best effort once the data itself has loaded
-        return revision or "main"
+
+def _matching(hub_id: str, pattern: str, revision: str | None) -> list[str]:
+    """Files of the revision that match the glob: from the hub's file list, or from the cached snapshot when
+    the hub cannot be reached."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        info = HfApi().dataset_info(hub_id, revision=revision)
+        names = [s.rfilename for s in info.siblings or []]
+    except Exception:  # noqa: BLE001 - unreachable: fall back to the cache (re-raises if nothing is cached)
+        folder = Path(snapshot_download(hub_id, repo_type="dataset", revision=revision, allow_patterns=[pattern],
+                                        local_files_only=True))
+        names = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]
+    names = sorted(n for n in names if fnmatch.fnmatch(n, pattern))
+    if not names:
+        raise ConfigError(f"{hub_id} at revision {revision or 'main'} has no file matching '{pattern}'")
+    return names
+
+
+def snapshot_commit(path: Path, name: str) -> str:
+    """The commit sha of a file returned by ``hf_hub_download``: its cache path is
+    ``<repo folder>/snapshots/<commit sha>/<name>``."""
+    return path.parents[len(Path(name).parts) - 1].name

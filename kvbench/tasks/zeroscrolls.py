@@ -1,11 +1,15 @@
 """ZeroSCROLLS (Shaham et al. 2023): 10 long-text tasks, each record a fully formatted ``input``.
 
-Input as the official runners build it: the record's ``input`` as is; if it does not fit ``max_input_length``
-tokens (default ``model.max_length - max_new_tokens``), the start of the input (instruction + document) is
-kept up to the room left by ``truncation_seperator + input[query_start_index:]``, which is always appended
-(query and answer prefix survive). The official runners feed the raw input; ``chat_template=true`` wraps it
-in the model's chat format instead. ``mode=query_agnostic`` prefills (and compresses) the part before the
-query alone and feeds the separator/query/answer prefix afterwards.
+Input as the official API runner (experiments/api) builds it: the record's ``input`` as is; if it does not
+fit ``max_input_length`` tokens (default ``model.max_length - max_new_tokens``), the start of the input
+(instruction + document) is kept up to the room left by ``truncation_seperator + input[query_start_index:]``
+and one spare token (``get_max_document_tokens``' ``- 1``), and the separator, query and answer prefix are
+appended. ``chat_template=true`` follows the official chat runner (ChatGPT / GPT-4 in openai_api.py): for
+non-summarization tasks ``" Do not provide any explanation."`` is appended to the instruction (before the
+first blank line), the input is cut at ``query_end_index`` (no answer prefix: the assistant turn starts
+instead), it is wrapped in the model's chat format, and the chat format's own tokens are reserved out of
+the input's room (the official runner reserves 9 for OpenAI's). ``mode=query_agnostic`` prefills (and
+compresses) the part before the query alone and feeds the separator/query/answer prefix afterwards.
 
 Validation is scored locally (see ``zeroscrolls_metrics``); test answers are private, so predictions of
 every split are also written in the leaderboard's format, one ``<task>.json`` of ``{id: prediction}`` per
@@ -27,8 +31,7 @@ import pandas as pd
 
 from kvbench.errors import ConfigError, unknown_name
 from kvbench.tasks import zeroscrolls_metrics as zm
-from kvbench.tasks.base import Prompt, Sample, Task
-from kvbench.tasks.longbench import MODES, encode_parts
+from kvbench.tasks.base import MODES, Prompt, Sample, Task, encode_parts
 from kvbench.tasks.sources import PACKAGE_DATA, DataRef, check_source, load_records
 
 HUB_ID = "tau/zero_scrolls"
@@ -38,6 +41,8 @@ SPLITS = ("validation", "test")
 MAX_NEW_TOKENS = {"gov_report": 1024, "summ_screen_fd": 512, "qmsum": 512, "squality": 512, "qasper": 128,
                   "narrative_qa": 64, "quality": 10, "musique": 32, "space_digest": 36, "book_sum_sort": 256}
 TASKS = tuple(MAX_NEW_TOKENS)
+SUMMARIZATION = ("gov_report", "summ_screen_fd", "qmsum", "squality")  # APIRunner.summarization_datasets
+FORMAT_REQUEST = "Do not provide any explanation."  # the chat runner's addition for the other tasks
 SCALAR_METRICS = {"qasper": ("f1", zm.f1_score), "narrative_qa": ("f1", zm.f1_score),
                   "musique": ("f1", zm.f1_score), "quality": ("accuracy", zm.accuracy_score),
                   "space_digest": ("exp_similarity", zm.exp_similarity_score),
@@ -87,8 +92,9 @@ class ZeroScrolls(Task):
         for task in self.tasks:
             files = tuple(f"{task}/{self.split}.{ext}" for ext in ("jsonl", "parquet", "json")) + tuple(
                 f"{task}_{self.split}.{ext}" for ext in ("jsonl", "parquet", "json"))
-            records, provenance = load_records(DataRef(HUB_ID, task, self.split, files), self.source,
-                                               self.data_dir, self.revision, SAMPLE_DIR)
+            ref = DataRef(HUB_ID, task, self.split, files, hub_file=f"{task}.zip",
+                          member=f"{task}/{self.split}.jsonl")
+            records, provenance = load_records(ref, self.source, self.data_dir, self.revision, SAMPLE_DIR)
             by_id: dict[str, list[dict]] = {}
             for record in records:  # one row per (input, reference) pair: a multi-reference example repeats
                 by_id.setdefault(str(record["id"]), []).append(record)
@@ -98,9 +104,10 @@ class ZeroScrolls(Task):
 
     def _sample(self, task: str, example_id: str, rows: list[dict], provenance: dict) -> Sample:
         first = rows[0]
-        text, query_start = first["input"], int(first["query_start_index"])
+        text, query_start, query_end = first["input"], int(first["query_start_index"]), int(first["query_end_index"])
         return Sample(
-            id=example_id, context=text[:query_start], question=text[query_start:],
+            id=example_id, context=text[:query_start], question=text[query_start:query_end],
+            answer_prefix=text[query_end:],
             references=[str(r["output"]) for r in rows if r.get("output")],
             meta={"dataset": task, "split": self.split, "mode": self.mode,
                   "truncation_separator": first["truncation_seperator"], **provenance},
@@ -110,18 +117,21 @@ class ZeroScrolls(Task):
         task = sample.meta["dataset"]
         max_new = self.max_new_tokens or MAX_NEW_TOKENS[task]
         room = self.max_input_length or lm.max_length - max_new
-        if self.chat_template:  # the template's own tokens come out of the input's room
+        head, tail = sample.context, sample.question + sample.answer_prefix
+        if self.chat_template:  # the official chat runner; the template's own tokens come out of the room
+            head = head if task in SUMMARIZATION else with_format_request(head)
+            tail = sample.question
             room -= len(lm.encode_prompt(lm.chat(""), templated=True)) - len(lm.encode(""))
-        head, tail = sample.context, sample.question
         head_ids = lm.encode(head)
         tail_ids = lm.encode(tail, add_special_tokens=False)
         truncated = len(lm.encode(head + tail)) > room
         if truncated:
             tail = sample.meta["truncation_separator"] + tail
             tail_ids = lm.encode(tail, add_special_tokens=False)
-            if room - len(tail_ids) < 1:
+            keep = room - len(tail_ids) - 1  # the official runner leaves one token spare
+            if keep < 1:
                 raise ConfigError(f"sample '{sample.id}': the query alone exceeds the input limit of {room} tokens")
-            head_ids = head_ids[: room - len(tail_ids)]
+            head_ids = head_ids[:keep]
             head = lm.decode(head_ids)
         if self.mode == "official" and not self.chat_template:
             ids = head_ids + tail_ids if truncated else lm.encode(head + tail)
@@ -168,6 +178,13 @@ class ZeroScrolls(Task):
     def artifacts(self, predictions: pd.DataFrame) -> dict[str, str]:
         """The leaderboard submission files, published inside the run directory."""
         return {f"zeroscrolls_{self.split}/{task}.json": text for task, text in submission_files(predictions).items()}
+
+
+def with_format_request(text: str) -> str:
+    """The chat runner's ``insert_format_request``: the format request appended to the instruction, i.e.
+    the text before the first blank line."""
+    end = text.find("\n\n")
+    return f"{text[:end].strip()} {FORMAT_REQUEST}{text[end:]}"
 
 
 def _metric_names(task: str) -> tuple[str, ...]:

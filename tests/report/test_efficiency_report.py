@@ -47,10 +47,10 @@ def try_row(system: str, batch: int, fits: bool) -> dict:
 
 
 def write(root, model, method, mode, predictions) -> None:
-    task = Efficiency(mode=mode)
+    task = Efficiency(measure=mode)
     rid = store.run_id({"model": model, "method": method, "mode": mode})
     run = {"run_id": rid, "model": model, "method": method, "budget": "0.2", "budget_kind": "fraction",
-           "budget_value": 0.2, "task": "efficiency", "task.mode": mode, "seed": 42, "position_mode": "original"}
+           "budget_value": 0.2, "task": "efficiency", "task.measure": mode, "seed": 42, "position_mode": "original"}
     predictions = pd.DataFrame(predictions)
     predictions.insert(0, "run_id", rid)
     metrics = pd.DataFrame([{**run, **row} for row in task.aggregate(predictions)])
@@ -96,7 +96,7 @@ def test_latency_table_shows_the_bound_and_throughput_has_its_own_table(report):
 
 def test_full_cache_is_the_median_of_the_runs_same_run_references(report):
     out, _ = report
-    metrics = data.label_rows(efficiency.table_per_mode(pd.read_parquet(out.parent / "metrics.parquet")))
+    metrics = data.label_rows(efficiency.table_per_measure(pd.read_parquet(out.parent / "metrics.parquet")))
     points = efficiency.cell_points(metrics).set_index(["task", "model", "row_method", "batch", "context_length"])
     full = points.loc[("efficiency", LONG, "full", "batch 1", 1024.0)]
     assert full["tpot_seconds"] == pytest.approx((0.010 + 0.014) / 2)

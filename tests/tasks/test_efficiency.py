@@ -128,8 +128,8 @@ def test_memory_cap_returns_a_real_cpu_out_of_memory_and_raises_other_errors():
 
 
 def test_bad_settings_name_the_value_and_what_is_accepted():
-    with pytest.raises(ConfigError, match="mode='speed'.*latency, throughput"):
-        Efficiency(mode="speed")
+    with pytest.raises(ConfigError, match="measure='speed'.*latency, throughput"):
+        Efficiency(measure="speed")
     with pytest.raises(ConfigError, match="memory_cap_gib=-1"):
         Efficiency(memory_cap_gib=-1)
     with pytest.raises(ConfigError, match="batch_growth=1"):
@@ -166,7 +166,7 @@ def run_throughput(tmp_path, model: str, context: int, cap_gib: float) -> tuple[
     """An ordinary kvbench run in a fresh process (the cap is relative to what that process holds)."""
     root = tmp_path / "results"
     args = [sys.executable, "-m", "kvbench", f"model={model}", "method=streamingllm", "budget=0.2",
-            "task=efficiency", "task.mode=throughput", f"task.context_lengths=[{context}]", "task.new_tokens=2",
+            "task=efficiency", "task.measure=throughput", f"task.context_lengths=[{context}]", "task.new_tokens=2",
             f"task.memory_cap_gib={cap_gib}", "task.memory_bandwidth_gbps=10", "task.warmup=1", "task.repeats=2",
             f"results_root={root}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -213,7 +213,7 @@ def test_throughput_mode_on_smollm2(tmp_path):
 
 
 def test_throughput_cell_with_the_full_cache_as_method_searches_once(tiny_lm, monkeypatch):
-    task = Efficiency(mode="throughput", context_lengths=[8], new_tokens=2, warmup=0, repeats=1,
+    task = Efficiency(measure="throughput", context_lengths=[8], new_tokens=2, warmup=0, repeats=1,
                       memory_bandwidth_gbps=1.0, memory_cap_gib=1.0, max_batch=2)
     calls = []
     monkeypatch.setattr(Efficiency, "_try", lambda self, engine, prompt, batch, cap, detail: calls.append(batch)

@@ -11,7 +11,6 @@ from hydra import compose, initialize_config_dir
 
 from kvbench import runner
 from kvbench.errors import ConfigError
-from kvbench.tasks import sources
 from kvbench.tasks.longbench import ALL_DATASETS, E_DATASETS, LongBench, length_bucket
 
 from tests.conftest import CONF
@@ -108,7 +107,20 @@ def test_aggregate_rounds_dataset_means_and_adds_category_and_overall_rows():
     assert rows["avg:single_doc_qa"]["value"] == 41.66  # (50 + 33.33) / 2 = 41.665 -> 41.66 (binary float)
     assert rows["avg:few_shot"]["value"] == 100.0
     assert rows["avg:overall"]["value"] == 61.11  # (50 + 33.33 + 100) / 3 = 61.11
+    # the leaderboard's Avg: mean of the category means, (41.665 + 100) / 2 = 70.83
+    assert rows["avg:leaderboard_en"]["value"] == 70.83 and "avg:leaderboard_zh" not in rows
+    assert rows["avg:leaderboard_en"]["scorer"] == "mean_of_category_means"
     assert all(r["mode"] == "official" and r["metric"] == "score" for r in rows.values())
+
+
+def test_leaderboard_average_is_per_language_with_code_counted_as_english():
+    task = LongBench(datasets=["qasper", "lcc", "dureader", "lsht"])
+    predictions = pd.DataFrame({"dataset": ["qasper", "lcc", "dureader", "lsht"],
+                                "metric.score": [0.2, 0.6, 0.3, 0.9]})
+    rows = {r["dataset"]: r["value"] for r in task.aggregate(predictions)}
+    assert rows["avg:leaderboard_en"] == 40.0  # single-doc QA 20, code 60
+    assert rows["avg:leaderboard_zh"] == 60.0  # multi-doc QA 30, few-shot 90
+    assert rows["avg:overall"] == 50.0
 
 
 def test_longbench_e_scores_each_length_bucket():
@@ -143,34 +155,6 @@ def test_local_directory_in_the_hub_file_format(tmp_path):
         LongBench(datasets=["trec"], source="local", data_dir=str(tmp_path)).samples()
 
 
-def test_hub_loads_official_ids_and_records_the_revision(monkeypatch):
-    calls = []
-
-    def fake_load_dataset(path, name, split, revision):
-        calls.append((path, name, split, revision))
-        return [{"input": "Q?", "context": "C.", "answers": ["A"], "length": 5000, "dataset": name,
-                 "language": "en", "all_classes": None, "_id": "h1"}]
-
-    monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
-    monkeypatch.setattr(sources, "_resolved_revision", lambda hub_id, revision: "abc123")
-    samples = LongBench(datasets=["qasper"], variant="e", source="hub", revision="main").samples()
-    assert calls == [("THUDM/LongBench", "qasper_e", "test", "main")]
-    meta = samples[0].meta
-    assert (meta["dataset_id"], meta["dataset_config"], meta["dataset_revision"]) == ("THUDM/LongBench", "qasper_e",
-                                                                                      "abc123")
-
-
-def test_unreachable_hub_fails_with_one_line_pointing_at_local_or_sample(monkeypatch):
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'THUDM/LongBench' on the Hub (LocalEntryNotFoundError)")
-
-    monkeypatch.setattr("datasets.load_dataset", offline)
-    with pytest.raises(ConfigError) as err:
-        LongBench(datasets=["qasper"], source="hub").samples()
-    message = str(err.value)
-    assert "\n" not in message and "task.source=local task.data_dir=" in message and "task.source=sample" in message
-
-
 def test_end_to_end_on_fixtures_with_the_tiny_model(tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
@@ -181,7 +165,8 @@ def test_end_to_end_on_fixtures_with_the_tiny_model(tmp_path):
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     assert list(predictions["dataset"]) == ["trec", "passage_count"]
     assert set(predictions["meta.mode"]) == {"official"} and (predictions["output_tokens"] <= 3).all()
-    assert set(metrics["dataset"]) == {"trec", "passage_count", "avg:few_shot", "avg:synthetic", "avg:overall"}
+    assert set(metrics["dataset"]) == {"trec", "passage_count", "avg:few_shot", "avg:synthetic", "avg:overall",
+                                       "avg:leaderboard_en"}
     assert {"category", "mode", "length_bucket"} <= set(metrics) and metrics["value"].between(0, 100).all()
 
 

@@ -55,12 +55,14 @@ def test_concatenated_stream_equals_hf_forward_over_both_documents(tiny_lm):
     first, second = doc(TEXT, 0), doc("Ruth said, Intreat me not to leave thee.", 1)
     rows = task.predict([first], tiny_lm, engine) + task.predict([second], tiny_lm, engine)  # two runner batches
     a, b = task.document_ids(first, tiny_lm), task.document_ids(second, tiny_lm)
-    nll = hf_token_nll(tiny_lm.model, a + b)  # targets 1 .. len(a+b)-1
-    # second document: its own first 3 tokens are its prompt; scored targets are len(a)+3 ..
-    expected = nll[len(a) + 3 - 1 :]
+    # StreamingLLM's stream: each document's last token is only a target, never fed (nothing crosses over)
+    stream = a[:-1] + b
+    nll = hf_token_nll(tiny_lm.model, stream)  # targets 1 .. len(stream)-1
+    # second document: its own first 3 tokens are its prompt; scored targets are stream[len(a)-1+3] ..
+    expected = nll[len(a) - 1 + 3 - 1 :]
     assert rows[1]["n_tokens"] == len(b) - 3 == len(expected)
     assert rows[1]["nll_sum"] == pytest.approx(float(expected.sum()), rel=1e-4)
-    assert rows[1]["kept_mean"] == len(a) + len(b)  # the whole stream is cached, last tokens included
+    assert rows[1]["kept_mean"] == len(a) - 1 + len(b) - 1  # the whole stream is cached, last tokens excepted
     assert rows[1]["kv_bytes_final"] == rows[1]["kv_bytes_full"]  # full cache of everything seen
 
 
@@ -117,12 +119,13 @@ def test_sources_sample_text_file_local_shards_and_offline_hub(tmp_path, monkeyp
         pd.DataFrame({"short_book_title": [f"b{i}"], "text": [f"book {i}"]}).to_parquet(
             tmp_path / "data" / f"test-0000{i}-of-00002.parquet")
     assert [s.context for s in PG19(source="local", data_dir=str(tmp_path)).samples()] == ["book 0", "book 1"]
-    import datasets
+    import huggingface_hub
 
     def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'emozilla/pg19-test' on the Hub (LocalEntryNotFoundError)")
+        raise huggingface_hub.errors.LocalEntryNotFoundError("no connection and nothing cached")
 
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ConfigError, match="task.source=local task.data_dir=DIR.*task.source=sample"):
         PG19(source="hub").samples()
 

@@ -20,7 +20,7 @@ def test_fixtures_cover_the_10_tasks_and_group_references_by_id():
     assert {s.meta["dataset"] for s in samples} == set(TASKS) and len(TASKS) == 10
     squality = next(s for s in samples if s.id == "squality_0")
     assert len(squality.references) == 2  # two rows with the same id
-    assert squality.question.startswith("Question:\n") and squality.question.endswith("Answer:")
+    assert squality.question.startswith("Question:\n") and squality.answer_prefix.strip() == "Answer:"
     test = ZeroScrolls(split="test").samples()
     assert len(test) == 10 and all(not s.references for s in test)
 
@@ -29,7 +29,8 @@ def test_untruncated_input_is_the_record_input_as_is(tiny_lm):
     task = ZeroScrolls(tasks=["quality"])
     sample = task.samples()[0]
     prompt = task.build_prompt(sample, tiny_lm)
-    assert prompt.context_ids == tiny_lm.encode(sample.context + sample.question) and not prompt.truncated
+    whole = sample.context + sample.question + sample.answer_prefix
+    assert prompt.context_ids == tiny_lm.encode(whole) and not prompt.truncated
     assert prompt.max_new_tokens == 10 and prompt.suffix_ids is None
 
 
@@ -38,11 +39,31 @@ def test_truncation_keeps_the_document_start_then_separator_query_and_answer_pre
     sample = task.samples()[0]
     prompt = task.build_prompt(sample, tiny_lm)
     separator = "... [The rest of the story is omitted]\n\n"
-    tail = separator + sample.question
-    assert prompt.truncated and len(prompt.context_ids) == 150
-    # byte tokenizer: BOS + the first (150 - 1 - len(tail)) characters of the input, then the tail
-    expected = "<s>" + sample.context[: 149 - len(tail)] + tail
+    tail = separator + sample.question + sample.answer_prefix
+    assert prompt.truncated and len(prompt.context_ids) == 149  # the official runner's one spare token
+    # byte tokenizer: BOS + the first (150 - 1 - 1 - len(tail)) characters of the input, then the tail
+    expected = "<s>" + sample.context[: 148 - len(tail)] + tail
     assert tiny_lm.tokenizer.decode(prompt.context_ids) == expected
+
+
+def test_chat_template_follows_the_official_chat_runner(tiny_lm):
+    """openai_api.py: format request after the instruction (not for summaries), input cut at the query end,
+    chat format around it, its tokens reserved."""
+    qa = ZeroScrolls(tasks=["narrative_qa"], chat_template=True)
+    sample = qa.samples()[0]
+    instruction, _, rest = sample.context.partition("\n\n")
+    text = tiny_lm.decode(qa.build_prompt(sample, tiny_lm).context_ids)
+    user = f"{instruction.strip()} Do not provide any explanation.\n\n{rest}{sample.question}"
+    assert text == tiny_lm.decode(tiny_lm.encode_prompt(tiny_lm.chat(user), templated=True))
+    assert sample.answer_prefix.strip() and sample.answer_prefix not in text[-20:]
+    summary = ZeroScrolls(tasks=["gov_report"], chat_template=True)
+    sample = summary.samples()[0]
+    text = tiny_lm.decode(summary.build_prompt(sample, tiny_lm).context_ids)
+    assert "Do not provide any explanation." not in text and sample.context in text
+    truncated = ZeroScrolls(tasks=["narrative_qa"], chat_template=True, max_input_length=200)
+    prompt = truncated.build_prompt(qa.samples()[0], tiny_lm)
+    overhead = len(tiny_lm.encode_prompt(tiny_lm.chat(""), templated=True)) - len(tiny_lm.encode(""))
+    assert prompt.truncated and len(prompt.context_ids) <= 200 - 1 and overhead > 0
 
 
 def test_query_agnostic_splits_before_the_query(tiny_lm):
@@ -50,7 +71,7 @@ def test_query_agnostic_splits_before_the_query(tiny_lm):
     sample = task.samples()[0]
     prompt = task.build_prompt(sample, tiny_lm)
     assert tiny_lm.decode(prompt.context_ids) == sample.context
-    assert tiny_lm.decode(prompt.suffix_ids) == sample.question
+    assert tiny_lm.decode(prompt.suffix_ids) == sample.question + sample.answer_prefix
 
 
 def test_aggregate_takes_geometric_mean_of_rouge_and_averages_tasks():
