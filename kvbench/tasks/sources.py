@@ -56,16 +56,53 @@ def load_records(ref: DataRef, source: str, data_dir: str | None, revision: str 
     return read_records(path), provenance
 
 
-def read_records(path: Path) -> list[dict]:
-    """jsonl (one object per line), json (a list of objects) or parquet."""
-    if path.suffix == ".parquet":
-        import pandas as pd
+class Record(dict):
+    """One data record; reading a field it lacks names the file and the fields it has (a ConfigError, not a
+    bare KeyError deep inside a task)."""
 
-        return pd.read_parquet(path).to_dict(orient="records")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    origin: str = ""
+
+    def __missing__(self, key):
+        raise ConfigError(f"{self.origin} has no field '{key}'; its fields: {', '.join(sorted(self))}")
+
+
+def read_records(path: Path) -> list[dict]:
+    """jsonl (one object per line), json (a list of objects) or parquet; a file that cannot be parsed or
+    holds no records is an error naming it."""
+    try:
+        if path.suffix == ".parquet":
+            import pandas as pd
+
+            rows = pd.read_parquet(path).to_dict(orient="records")
+        elif path.suffix == ".json":
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            rows = []
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    rows.append(_json_line(path, number, line))
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:  # JSON, UTF-8 and parquet errors are ValueErrors
+        raise ConfigError(f"data file {path} cannot be read: {type(err).__name__}: {err}") from None
+    if not rows:
+        raise ConfigError(f"data file {path} holds no records")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"data file {path} must hold one JSON object per record")
+    return [_record(row, f"data file {path} record {i}") for i, row in enumerate(rows)]
+
+
+def _json_line(path: Path, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except ValueError as err:
+        raise ConfigError(f"data file {path} line {number} is not JSON ({err})") from None
+
+
+def _record(row: dict, origin: str) -> Record:
+    record = Record(row)
+    record.origin = origin
+    return record
 
 
 def _from_hub(ref: DataRef, revision: str | None) -> tuple[list[dict], dict]:
@@ -85,7 +122,8 @@ def _from_hub(ref: DataRef, revision: str | None) -> tuple[list[dict], dict]:
     provenance = {"data_source": "hub", "dataset_id": ref.hub_id, "dataset_config": ref.config,
                   "dataset_split": ref.split, "dataset_revision": _resolved_revision(ref.hub_id, revision),
                   "data_path": ""}
-    return [dict(row) for row in data], provenance
+    return [_record(dict(row), f"{ref.hub_id} '{ref.config}' ({ref.split}) record {i}")
+            for i, row in enumerate(data)], provenance
 
 
 def _resolved_revision(hub_id: str, revision: str | None) -> str:
