@@ -75,7 +75,7 @@ def build(group: str, node: DictConfig):
         raise ConfigError(f"unknown key {group}.{unknown[0]} for {group} {name}; accepted: {', '.join(sorted(fields))}")
     for key, value in values.items():
         _expect(f"{group}.{key}", value, fields[key])
-    return instantiate_config(node)
+    return cls(**values)  # directly: Hydra's instantiate costs 10x more, on every point of a sweep
 
 
 def instantiate_config(node):

@@ -16,7 +16,7 @@ import pytest
 
 from kvbench import store
 from kvbench.__main__ import entry
-from tests.conftest import REPO
+from tests.conftest import KEEP_LOGGING, REPO
 
 LONGBENCH = ["task=longbench", "task.datasets=[trec]", "task.source=local"]
 FIXTURE = REPO / "kvbench" / "data" / "longbench" / "sample" / "trec.jsonl"
@@ -93,7 +93,7 @@ def data(tmp_path_factory):
 
 def call(args: list[str], monkeypatch) -> tuple[int, list[str]]:
     """Run ``kvbench ARGS`` in this process: (exit status, stderr lines)."""
-    monkeypatch.setattr(sys, "argv", ["kvbench", *args])
+    monkeypatch.setattr(sys, "argv", ["kvbench", *args, *KEEP_LOGGING])
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:

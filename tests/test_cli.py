@@ -11,6 +11,7 @@ import pytest
 
 from kvbench import cli, runner, status, store
 from kvbench.errors import ConfigError
+from tests.conftest import KEEP_LOGGING
 from tests.test_runner import make_cfg
 
 
@@ -48,7 +49,8 @@ def test_status_defaults_to_kvbench_results(tmp_path, monkeypatch, capsys):
 
 def test_run_subcommand_is_the_app(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["kvbench", "run", "model=tiny-llama-random", "task=passkey", "method=full",
-                                      "task.context_lengths=[128]", "task.depths=[0]", f"results_root={tmp_path}"])
+                                      "task.context_lengths=[128]", "task.depths=[0]", f"results_root={tmp_path}",
+                                      *KEEP_LOGGING])
     with contextlib.redirect_stdout(io.StringIO()):
         cli.main()
     assert len(store.finished_runs(tmp_path)) == 1

@@ -112,13 +112,17 @@ def test_killed_job_is_redone_on_resubmission_and_finished_points_are_not(slurm_
             "task.depths=[0,25,50,75,100]", "task.samples_per_cell=30"]  # minutes: long enough to kill
     launcher = subprocess.Popen(sweep_command(tmp_path, *slow), env=slurm_env, cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    victim = _wait_for_running(tmp_path)
-    time.sleep(2)
-    subprocess.run(["scancel", victim["slurm_job"]], env=slurm_env, check=True)  # the id kvbench status shows
-    _wait_until_gone(victim["slurm_job_id"], slurm_env)
-    # Without slurmdbd submitit cannot learn that a cancelled job ended (no sacct); the launcher sees the job
-    # gone from the queue without a result and reports the point as failed instead of waiting for ever.
-    _, err = launcher.communicate(timeout=180)
+    try:
+        victim = _wait_for_running(tmp_path)
+        time.sleep(2)
+        subprocess.run(["scancel", victim["slurm_job"]], env=slurm_env, check=True)  # the id kvbench status shows
+        _wait_until_gone(victim["slurm_job_id"], slurm_env)
+        # Without slurmdbd submitit cannot learn that a cancelled job ended (no sacct); the launcher sees the
+        # job gone from the queue without a result and reports the point as failed instead of waiting for ever.
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:  # a failed wait above: do not leave the launcher polling a dead cluster
+            launcher.kill()
     assert launcher.returncode == 1 and "1 failed" in err and "left the queue without a result" in err, err
     assert not store.is_finished(tmp_path, victim["run_id"])
     states = {s["run_id"]: s["state"] for s in status.run_states(tmp_path)}

@@ -18,7 +18,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins import kvbench_launchers as launchers
 from kvbench import runner, status, store
 from kvbench.__main__ import entry
-from tests.conftest import REPO
+from tests.conftest import KEEP_LOGGING, REPO
 from tests.test_runner import make_cfg
 
 PASSKEY = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[128]", "task.depths=[0]"]
@@ -27,7 +27,7 @@ SAMPLE = REPO / "kvbench" / "data" / "longbench" / "sample"
 
 def sweep(args: list[str], monkeypatch) -> tuple[int, str, str]:
     """``kvbench -m ARGS`` in this process (the sequential launcher): (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["kvbench", "-m", *args])
+    monkeypatch.setattr(sys, "argv", ["kvbench", "-m", *args, *KEEP_LOGGING])
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
