@@ -37,8 +37,10 @@ def test_sweep_then_report(tmp_path):
     assert sorted(table.index) == [("0.2", "streamingllm"), ("0.5", "streamingllm"), ("full", "full")]
     for name in ("passkey.md", "passkey.tex", "passkey_pvalues.csv"):
         assert (root / "report" / "tables" / name).exists()
-    for kind in ("needle", "budget", "kept", "efficiency"):
+    for kind in ("needle", "budget", "efficiency"):
         assert list((root / "report" / "plots").glob(f"{kind}_passkey_*.png")), kind
+    # the full cache and StreamingLLM keep the same fraction in every layer and head: no one-colour heatmap
+    assert not list((root / "report" / "plots").glob("kept_passkey_*.png"))
     # every run is in W&B (offline), all three in the sweep's group, with the metric values of the parquet
     runs = [decode_run(f) for f in root.glob("wandb/offline-run-*/run-*.wandb")]
     assert len(runs) == 3
