@@ -1,14 +1,19 @@
-"""``python -m kvbench [overrides]`` / ``python -m kvbench -m <sweep>``: the Hydra entry point."""
+"""``python -m kvbench [overrides]`` / ``python -m kvbench -m <sweep>``: the Hydra entry point.
+
+Before Hydra runs, the run (or every point of a sweep) is composed and checked (``kvbench.checks``), so that
+bad input is one line naming the value and the accepted ones (exit 2) and nothing is launched or written."""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
@@ -16,7 +21,8 @@ from kvbench.errors import ConfigError, unknown_name
 
 log = logging.getLogger("kvbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-CHECKED_GROUPS = ("model", "method", "budget", "task", "logger", "kernels")
+CHECKED_GROUPS = ("model", "method", "budget", "task", "logger", "kernels", "experiment")
+MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def check_group_overrides(argv: list[str]) -> None:
@@ -34,6 +40,91 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise ConfigError(str(unknown_name(group, choice, accepted)))
 
 
+def check_argv(argv: list[str]) -> None:
+    misplaced = [a for a in argv[1:] if a in MULTIRUN_FLAGS]
+    if misplaced:
+        rest = " ".join(a for a in argv if a not in MULTIRUN_FLAGS)
+        raise ConfigError(f"{misplaced[0]} must come first, before every override: kvbench -m {rest}")
+    check_group_overrides(argv)
+
+
+def composed_points(argv: list[str]) -> list[DictConfig]:
+    """The composed config of the run, or of every point of a ``-m`` sweep (command-line sweeps and an
+    experiment's ``hydra.sweeper.params``, expanded as Hydra's basic sweeper does)."""
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if a not in MULTIRUN_FLAGS]
+    parser = OverridesParser.create()
+
+    def expand(args: list[str]) -> list[list[str]]:
+        try:
+            return [point for batch in BasicSweeper.split_arguments(parser.parse_overrides(args), None)
+                    for point in batch]
+        except Exception as err:  # noqa: BLE001 - Hydra's grammar errors: first line says it
+            raise ConfigError(f"cannot parse the overrides: {str(err).splitlines()[0]}") from None
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name="kvbench"):
+        if argv[:1] in ([f] for f in MULTIRUN_FLAGS):
+            first = _compose(expand(overrides)[0])
+            params = [f"{k}={v}" for k, v in (first.hydra.sweeper.params or {}).items()]
+            return [_compose(point) for point in expand(params + overrides)]
+        return [_compose(overrides)]
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose
+
+    try:
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    except Exception as err:  # noqa: BLE001 - Hydra's composition errors, translated to one line
+        raise _composition_error(err, overrides) from None
+    HydraConfig.instance().set_config(cfg)  # resolves ${hydra:...} in results_root
+    return cfg
+
+
+def _composition_error(err: Exception, overrides: list[str]) -> ConfigError:
+    text = str(err)
+    missing = re.search(r"Could not find '(.+)/([^'/]+)'", text)
+    if missing:
+        options = re.search(r"Available options in '[^']*':\n((?:\t.*\n?)*)", text)
+        accepted = options.group(1).split() if options else []
+        return unknown_name(missing.group(1), missing.group(2), accepted)
+    unknown = re.search(r"Could not override '([^']+)'", text)
+    if unknown:
+        key = unknown.group(1)
+        parent = key.rpartition(".")[0]
+        # the config without any value set under the parent: group choices stay, so the node is the one meant
+        keys = [o.lstrip("+~").partition("=")[0] for o in overrides]
+        others = [o for o, k in zip(overrides, keys) if "." not in k and k != key]
+        return ConfigError(f"unknown key {key}{accepted_keys(parent, others)}")
+    return ConfigError(text.strip().splitlines()[0])
+
+
+def accepted_keys(parent: str, overrides: list[str]) -> str:
+    """"; accepted: <keys>": the keys one can set under ``parent`` (the root when empty); for a method or task
+    (named first) also the class's fields that its YAML leaves out (those take a leading ++)."""
+    from hydra import compose
+
+    from kvbench.checks import fields_of
+
+    try:
+        cfg = compose(config_name="config", overrides=overrides)
+    except Exception:  # noqa: BLE001 - the message stays useful without the list
+        return ""
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = sorted(k for k in node if k != "_target_") if isinstance(node, DictConfig) else []
+    text = f"; accepted: {', '.join(keys)}"
+    if parent in ("method", "task"):
+        cls, fields = fields_of(parent, node)
+        extra = sorted(set(fields) - set(keys))
+        text = f" for {parent} {cls.name}{text}"
+        if extra:
+            text += f" (not in its YAML, so set with ++: {', '.join(f'++{parent}.{k}' for k in extra)})"
+    return text
+
+
 def print_metrics(run_dir: Path) -> None:
     import pandas as pd
 
@@ -48,7 +139,8 @@ def print_metrics(run_dir: Path) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> tuple[str, str]:
+    """One run. Returns its outcome for the sweep launchers' summary: (done | skipped | failed, detail)."""
     from kvbench.runner import run
 
     try:
@@ -56,9 +148,13 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         log.error("kvbench: error: %s", err)
         print(f"kvbench: error: {err}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            return "failed", f"ConfigError: {err}"  # a sweep goes on; a SLURM job still returns a result
         sys.exit(2)
-    if run_dir is not None:
-        print_metrics(run_dir)
+    if run_dir is None:
+        return "skipped", "finished before"
+    print_metrics(run_dir)
+    return "done", str(run_dir)
 
 
 def quote_numeric_choices(argv: list[str]) -> list[str]:
@@ -74,9 +170,21 @@ def quote_numeric_choices(argv: list[str]) -> list[str]:
 
 
 def entry() -> None:
-    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        from kvbench.cli import usage
+
+        print(usage())
+        sys.exit(0)
+    argv = sys.argv[1:] = quote_numeric_choices(argv)
+    hydra_flags = [a for a in argv if a.startswith("-") and a not in MULTIRUN_FLAGS]
     try:
-        check_group_overrides(sys.argv[1:])
+        check_argv(argv)
+        if not hydra_flags:  # --cfg, --info, --hydra-help ...: Hydra's own commands, left to Hydra
+            from kvbench.checks import validate
+
+            for cfg in composed_points(argv):
+                validate(cfg)
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)

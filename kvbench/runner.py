@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import logging
 import platform
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kvbench
-from kvbench import models, store, trackers
+from kvbench import checks, models, status, store, trackers
 from kvbench.budget import Budget
 from kvbench.engine import Engine, peak_memory_bytes
 from kvbench.errors import ConfigError
@@ -32,11 +31,28 @@ log = logging.getLogger("kvbench")
 
 # Config keys whose values change a result; everything under them goes into the run id and the row.
 RESULT_KEYS = ("model", "method", "budget", "task", "seed", "batch_size", "position_mode", "limit", "engine")
+FULL = "full"  # the full cache keeps every token: its result does not depend on the budget
 
 
 def result_config(cfg: DictConfig) -> dict:
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    return {k: resolved.get(k) for k in RESULT_KEYS}
+    """The resolved values that change a result (the run id hashes them). The full cache's budget is left
+    out, so a budget sweep runs it once."""
+    config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+              for k in RESULT_KEYS}
+    if method_name(cfg) == FULL:
+        config["budget"] = None
+    return config
+
+
+def method_name(cfg: DictConfig) -> str:
+    return get_class(cfg.method._target_).name
+
+
+def run_labels(cfg: DictConfig) -> dict:
+    """model, method, budget and task as every row, status record and log names them."""
+    budget = FULL if method_name(cfg) == FULL else Budget(cfg.budget.kind, cfg.budget.value).label
+    return {"model": cfg.model.name, "method": method_name(cfg), "budget": budget,
+            "task": get_class(cfg.task._target_).name}
 
 
 def _flatten(prefix: str, node: dict) -> dict:
@@ -52,63 +68,52 @@ def _flatten(prefix: str, node: dict) -> dict:
     return out
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(kvbench.__file__).parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _instantiate(node):
-    """hydra's instantiate, with a ConfigError raised by the target's validation passed through unwrapped
-    (Hydra wraps it in a multi-line InstantiationException)."""
-    try:
-        return instantiate(node)
-    except InstantiationException as err:
-        cause = err.__cause__ or err.__context__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise
-
-
 def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
-    method = _instantiate(cfg.method)
+    method = checks.instantiate_config(cfg.method)
     if not isinstance(method, Method):
         raise ConfigError(f"method config '{cfg.method.get('_target_')}' does not build a kvbench Method")
     budget = Budget(kind=cfg.budget.kind, value=cfg.budget.value)
-    task = _instantiate(cfg.task)
+    task = checks.instantiate_config(cfg.task)
     if not isinstance(task, Task):
         raise ConfigError(f"task config '{cfg.task.get('_target_')}' does not build a kvbench Task")
     lm = models.load(cfg.model)
     return lm, method, budget, task
 
 
+def device_id(device: torch.device) -> str:
+    """What runs share when they compete: the host's cores, or one physical GPU (its UUID, the same under
+    any CUDA_VISIBLE_DEVICES numbering)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device.index or 0).uuid}"
+
+
 def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
-    """Execute one run; returns the run directory, or None when it was already finished and skipped.
+    """Execute one run; returns the run directory, or None when it was already finished and skipped (then it
+    is sent to the configured tracker if it never was). ``skip_finished=false`` runs it again and replaces
+    the published run (the old one is kept as ``runs/<run_id>.prev``).
 
     While it runs, ``<root>/status/<run_id>.json`` says so; if it fails, the record holds the error
     (``kvbench status`` shows both); a finished run replaces it."""
+    checks.validate(cfg)
     root = Path(cfg.results_root)
-    config = result_config(cfg)
-    rid = store.run_id(config)
+    rid = store.run_id(result_config(cfg))
     if cfg.skip_finished and store.is_finished(root, rid):
         log.info("run %s already finished in %s: skipped", rid, store.run_dir(root, rid))
+        trackers.log_finished(cfg.logger, store.run_dir(root, rid))
         return None
-    labels = {"model": cfg.model.name, "method": cfg.method._target_.rsplit(".", 1)[-1],
-              "budget": f"{cfg.budget.kind}:{cfg.budget.value}", "task": cfg.task._target_.rsplit(".", 1)[-1]}
-    store.mark(root, rid, "running", **labels)
+    labels = run_labels(cfg)
+    start, device = time.time(), device_id(torch.device(cfg.model.device))
+    status.mark(root, rid, "running", start=start, device_id=device, **labels)
     try:
-        return _execute(cfg, root, config, rid, hydra_dir)
+        return _execute(cfg, root, rid, labels, device, hydra_dir)
     except BaseException as err:
-        store.mark(root, rid, "failed", error=f"{type(err).__name__}: {err}", **labels)
+        status.mark(root, rid, "failed", error=f"{type(err).__name__}: {err}", start=start, device_id=device,
+                    **labels)
         raise
 
 
-def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Path | None) -> Path:
-    if cfg.batch_size < 1:
-        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: str, hydra_dir: Path | None) -> Path:
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # one thread per granted core: oversubscribed cores crawl
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     random.seed(cfg.seed)
@@ -123,7 +128,7 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
     if not samples:
-        raise ConfigError(f"task '{task.name}' produced no samples")
+        raise ConfigError(f"task '{task.name}' produced no samples; check its data and task.* settings")
     for sample in samples:
         task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
     device = engine.device
@@ -133,7 +138,7 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     t0 = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, transient=False) as progress:
-        bar = progress.add_task(f"{method.name}@{budget.label} {task.name}", total=len(samples))
+        bar = progress.add_task(store.run_label(labels), total=len(samples))
         for start in range(0, len(samples), cfg.batch_size):
             batch = samples[start : start + cfg.batch_size]
             rows.extend(task.predict(batch, lm, engine))
@@ -141,55 +146,77 @@ def _execute(cfg: DictConfig, root: Path, config: dict, rid: str, hydra_dir: Pat
     wall = time.perf_counter() - t0
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
+    overlapping = status.overlapping_runs(root, rid, device_key, started.timestamp(), time.time())
+    if overlapping:
+        log.warning("run %s shared its device with %d other runs (%s): its timings are marked "
+                    "concurrent_runs=%d", rid, len(overlapping), ", ".join(overlapping), len(overlapping))
+    code = kvbench.code_version()
+    config = result_config(cfg)
     run_columns = {
         "run_id": rid,
-        "model": lm.name,
-        "method": method.name,
-        "budget": budget.label,
-        "budget_kind": budget.kind,
-        "budget_value": budget.value,
-        "task": task.name,
+        **labels,
+        "budget_kind": FULL if labels["budget"] == FULL else budget.kind,
+        "budget_value": float("nan") if labels["budget"] == FULL else budget.value,
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
         **_flatten("engine", config["engine"]),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
+        "limit": cfg.limit,
+        "n_samples": len(samples),
         "attn_implementation": cfg.model.attn_implementation,
         "dtype": cfg.model.dtype,
+        "device": str(device),
+        "concurrent_runs": len(overlapping),  # > 0: timings taken while other runs shared the device
+        **code,
     }
     metric_rows = task.aggregate(predictions)
     summary = _summary(predictions, wall, peak_memory_bytes(device))
-    metrics = pd.DataFrame([{**run_columns, **row, **summary} for row in metric_rows])
-    meta = {
-        "kvbench_version": kvbench.__version__,
-        "git_commit": _git_commit(),
+    metrics = pd.DataFrame([{**run_columns, **row, "sample_ids_hash": sample_ids_hash(predictions, row["dataset"]),
+                             **summary} for row in metric_rows])
+    meta = _meta(cfg, labels, rid, str(device), device_key, started, len(samples), overlapping, code)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
+                            artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
+    status.clear(root, rid)
+    log.info("run %s written to %s", rid, final)
+    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
+    return final
+
+
+def _meta(cfg: DictConfig, labels: dict, rid: str, device: str, device_key: str, started: dt.datetime,
+          n_samples: int, overlapping: list[str], code: dict) -> dict:
+    """meta.json: what ran where and when (versions, device, host, SLURM job, start and end)."""
+    return {
+        **code,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(),
         "attn_implementation": cfg.model.attn_implementation,
         "dtype": cfg.model.dtype,
-        "device": str(device),
+        "device": device,
+        "device_id": device_key,
         "kernels_backend": cfg.kernels.backend,
         "kernels_ran": dict(dispatch.ran),
         "seed": cfg.seed,
         "hostname": platform.node(),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        **status.slurm_job(),
         "start": started.isoformat(),
         "end": dt.datetime.now(dt.timezone.utc).isoformat(),
         "run_id": rid,
-        "model": lm.name,
-        "method": method.name,
-        "budget": budget.label,
-        "task": task.name,
-        "n_samples": len(samples),
+        **labels,
+        "n_samples": n_samples,
+        "concurrent_run_ids": overlapping,
     }
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
-                            artifacts=task.artifacts(predictions))
-    log.info("run %s written to %s", rid, final)
-    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
-    return final
+
+
+def sample_ids_hash(predictions: pd.DataFrame, dataset: str) -> str:
+    """16-hex hash of the sorted sample ids behind one metric row (its dataset's samples; every sample for
+    rows that average over datasets): rows with equal hashes were scored on the same samples."""
+    rows = predictions[predictions["dataset"] == dataset] if (predictions["dataset"] == dataset).any() else predictions
+    ids = sorted(set(rows["sample_id"].astype(str)))
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
 
 
 # run-level column -> (per-sample column, how the run value is made from it)

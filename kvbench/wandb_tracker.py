@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import ConfigError, unknown_name
+from kvbench.store import run_label
 
 MODES = ("offline", "online", "disabled")
 # Run-level columns of every metric row that are worth a summary value of their own.
@@ -74,20 +75,29 @@ def sweep_group() -> str | None:
 
 
 def run_name(metrics: pd.DataFrame) -> str | None:
-    """``model/method@budget/task`` from the run's metric rows (None lets W&B pick a name)."""
+    """``model / method / budget / task`` from the run's metric rows, as kvbench names runs everywhere (None
+    lets W&B pick a name)."""
     if metrics.empty or not {"model", "method", "budget", "task"} <= set(metrics.columns):
         return None
-    first = metrics.iloc[0]
-    return f"{first['model']}/{first['method']}@{first['budget']}/{first['task']}"
+    return run_label(metrics.iloc[0].to_dict())
 
 
-def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: pd.DataFrame, run_dir: Path) -> None:
-    """Log one finished run (``run_dir`` = its store directory) to W&B as configured by ``logger_cfg``."""
+def check_config(logger_cfg) -> None:
     mode = logger_cfg.get("mode", "offline")
     if mode not in MODES:
         raise unknown_name("logger.mode", mode, MODES)
+    limit = logger_cfg.get("max_prediction_rows")
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise ConfigError(f"logger.max_prediction_rows={limit} must be an integer >= 0 (or null for all rows)")
+
+
+def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: pd.DataFrame, run_dir: Path) -> bool:
+    """Log one finished run (``run_dir`` = its store directory) to W&B as configured by ``logger_cfg``;
+    False when ``logger.mode=disabled`` logged nothing."""
+    check_config(logger_cfg)
+    mode = logger_cfg.get("mode", "offline")
     if mode == "disabled":
-        return
+        return False
     import wandb
 
     directory = Path(logger_cfg.get("dir") or Path(run_dir).parent.parent)
@@ -95,13 +105,11 @@ def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: p
     run_id = Path(run_dir).name
     tags = [str(t) for t in (logger_cfg.get("tags") or [])]
     limit = logger_cfg.get("max_prediction_rows")
-    if limit is not None and int(limit) < 0:
-        raise ConfigError(f"logger.max_prediction_rows={limit} must be >= 0 (or null for all rows)")
     run = wandb.init(
         mode=mode, project=logger_cfg.get("project") or "kvbench", entity=logger_cfg.get("entity"),
         group=logger_cfg.get("group") or sweep_group(), tags=tags, dir=str(directory), name=run_name(metrics),
         job_type=str(metrics["task"].iloc[0]) if "task" in metrics and len(metrics) else None,
-        config={**config, "kvbench_run_id": run_id, "kvbench_run_dir": str(run_dir)},
+        config={**config, "run_id": run_id, "run_dir": str(run_dir)},  # the parquet rows' run_id
         settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True,
                                 save_code=False),
         reinit="create_new",
@@ -112,3 +120,4 @@ def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: p
         run.summary.update(values)
     finally:
         run.finish()
+    return True

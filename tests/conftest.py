@@ -10,6 +10,10 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
+# For tests that run the Hydra app in this process: Hydra's logging setup (dictConfig) closes every existing
+# handler, and absl's (imported with rouge_score) then closes its stream, pytest's capture, when sys.stderr
+# is redirected at that moment. These overrides leave logging alone.
+KEEP_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
 def tiny_model_config(**overrides):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+import kvbench
 from kvbench import runner, store
 from kvbench.errors import ConfigError
 
@@ -36,8 +37,12 @@ def test_run_writes_self_describing_files_and_collects(tmp_path):
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")  # the collected table
     assert set(metrics["metric"]) == {"exact_match", "partial_match"}
     row = metrics.iloc[0]
-    assert (row.method, row.budget, row.budget_kind, row.task, row.n) == ("full", "0.5", "fraction", "passkey", 2)
+    # the full cache ignores the budget: its rows say so instead of naming the budget it was started with
+    assert (row.method, row.budget, row.budget_kind, row.task, row.n) == ("full", "full", "full", "passkey", 2)
     assert row.kept_fraction == pytest.approx(1.0)
+    # the sample set and the code are in every row
+    assert (row.limit, row.n_samples) == (None, 2) and len(row.sample_ids_hash) == 16
+    assert row.kvbench_version == kvbench.__version__ and row.git_commit == kvbench.code_version()["git_commit"]
     meta = json.loads((run_dir / "meta.json").read_text())
     assert {"git_commit", "torch", "transformers", "attn_implementation", "dtype", "seed", "hostname"} <= set(meta)
 

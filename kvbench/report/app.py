@@ -100,11 +100,35 @@ def report(cfg) -> list[Path]:
     written = [p for t in built for p in write_table(t, cfg, out / "tables")]
     if cfg.plots.enabled:
         written += make_plots(cfg, built, metrics, predictions, out / "plots")
+    warnings = caveats(built, metrics)
+    for line in warnings:
+        print(f"kvbench report: warning: {line}", file=sys.stderr)
     summary = [f"# kvbench report\n\nResults root: `{cfg.root}`\n"]
+    if warnings:
+        summary.append("## Caveats\n\n" + "".join(f"- {line}\n" for line in warnings))
     summary += [f"## {t.task} (query mode: {t.modes})\n\n{render.markdown(t, cfg.table)}" for t in built]
     summary += [f"![{p.stem}](plots/{p.name})\n" for p in written if p.suffix == ".png"]
     (out / "report.md").write_text("\n".join(summary))
     return written + [out / "report.md"]
+
+
+def caveats(built: list[tables.Table], metrics) -> list[str]:
+    """What a reader must know before comparing numbers: cells scored on other samples than the full cache
+    (marked, not compared), and timings taken while other runs shared the device (``concurrent_runs``)."""
+    lines = []
+    for table in built:
+        for row in table.other_samples.index[table.other_samples.any(axis=1)]:
+            model, budget, method, _ = row
+            columns = [c for c in table.data_columns if table.other_samples.at[row, c]]
+            n = ", ".join(str(int(table.n.at[row, c])) for c in columns)
+            lines.append(f"{table.task}: {model} / {method} / {budget} was scored on other samples than the full "
+                         f"cache in {', '.join(columns)} (n = {n}): marked {render.OTHER_SAMPLES}, not compared")
+    if "concurrent_runs" in metrics:
+        shared = metrics[metrics["concurrent_runs"].fillna(0) > 0].drop_duplicates("run_id")
+        for row in shared.itertuples():
+            lines.append(f"{row.task}: the timings of {row.model} / {row.method} / {row.budget} were taken while "
+                         f"{int(row.concurrent_runs)} other runs shared its device (run {row.run_id})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

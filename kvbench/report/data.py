@@ -13,7 +13,8 @@ from kvbench.report.paper import FULL
 
 FILTER_COLUMNS = ("model", "task", "budget", "method", "dataset")
 # Columns whose differing values make different table rows of one method (besides method.* hyperparameters).
-VARIANT_COLUMNS = ("position_mode", "seed", "limit", "task.mode", "task.measure", "task.variant", "task.protocol")
+# ``limit`` is not one: runs on other samples are the same row, aligned on the full cache's samples below.
+VARIANT_COLUMNS = ("position_mode", "seed", "task.mode", "task.measure", "task.variant", "task.protocol")
 
 
 @dataclass
@@ -67,10 +68,14 @@ def variant_label(metrics: pd.DataFrame) -> pd.Series:
     return label
 
 
+CELL = ["task", "model", "dataset", "metric", "length_bucket"]
+
+
 def label_rows(metrics: pd.DataFrame) -> pd.DataFrame:
-    """Adds ``row_method`` (method[variant]) and rewrites full-cache budgets to "full"; of duplicate results
-    for one row x dataset x metric (full cache at several budgets, re-runs) the run with the largest budget
-    value is kept (then the last run id)."""
+    """Adds ``row_method`` (method[variant]) and rewrites full-cache budgets to "full". Of duplicate results
+    for one row x dataset x metric (full cache at several budgets, re-runs, runs with another ``limit``) the
+    one kept is scored on the full cache's samples if there is one, else on the most samples (then the
+    largest budget value, then the last run id); the full cache's own is the one on the most samples."""
     out = metrics.copy()
     variant = variant_label(out)
     out["variant"] = variant
@@ -79,9 +84,23 @@ def label_rows(metrics: pd.DataFrame) -> pd.DataFrame:
     if "length_bucket" not in out:
         out["length_bucket"] = "all"
     out["length_bucket"] = out["length_bucket"].fillna("all")
+    if "sample_ids_hash" not in out:  # results written before rows carried their sample set
+        out["sample_ids_hash"] = None
     keys = ["task", "model", "budget", "row_method", "dataset", "metric", "length_bucket"]
-    out = out.sort_values(["budget_value", "run_id"], kind="stable")
-    return out.drop_duplicates(keys, keep="last").reset_index(drop=True)
+    out = out.sort_values(["n", "budget_value", "run_id"], kind="stable")
+    full = out[out["budget"] == FULL].drop_duplicates(CELL, keep="last")
+    reference = out[CELL].merge(full[CELL + ["sample_ids_hash"]], on=CELL, how="left")["sample_ids_hash"]
+    out["full_samples"] = reference.to_numpy()
+    out["aligned"] = out["sample_ids_hash"].notna() & (out["sample_ids_hash"] == out["full_samples"])
+    out = out.sort_values(["aligned", "n", "budget_value", "run_id"], kind="stable")
+    return out.drop_duplicates(keys, keep="last").drop(columns="aligned").reset_index(drop=True)
+
+
+def other_samples(metrics: pd.DataFrame) -> pd.Series:
+    """Per labelled metric row: True where it was scored on other samples than the full cache's row of the
+    same model and dataset (both sample sets known and different)."""
+    return (metrics["sample_ids_hash"].notna() & metrics["full_samples"].notna()
+            & (metrics["sample_ids_hash"] != metrics["full_samples"]))
 
 
 def labelled_predictions(results: Results, metrics: pd.DataFrame) -> pd.DataFrame:

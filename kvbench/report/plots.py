@@ -136,24 +136,35 @@ def perplexity_curves(metrics: pd.DataFrame, prefix: str, out: Path, formats) ->
 
 
 def kept_ratio(predictions: pd.DataFrame, order: list[str], out: Path, formats) -> list[Path]:
-    """Realized kept fraction per layer x KV head (mean over samples of kept / prompt length) per method."""
+    """Realized kept fraction per layer x KV head (mean over samples of kept / prompt length) per method.
+    Methods that keep the same fraction in every layer and head get no heatmap (it would be one colour):
+    the title lists their fraction; a figure where all are uniform is not drawn."""
     paths = []
     frame = predictions.dropna(subset=["kept_per_layer_head"]) if "kept_per_layer_head" in predictions else []
     for task, rows_task in (frame.groupby("task") if len(frame) else []):
         for model, budget, rows in _methods_by_budget(rows_task):
-            methods = _ordered(rows["row_method"], order)
-            fig, axes = plt.subplots(1, len(methods), figsize=(3 * len(methods) + 1, 3.4), squeeze=False,
-                                     layout="constrained")
-            for ax, method in zip(axes[0], methods):
+            grids = {}
+            for method in _ordered(rows["row_method"], order):
                 sel = rows[rows["row_method"] == method]
-                kept = np.stack([np.stack(list(k)).astype(float) / n for k, n in zip(sel["kept_per_layer_head"], sel["prompt_length"])])
-                image = ax.imshow(kept.mean(axis=0), cmap="viridis", vmin=0, vmax=max(1.0, kept.max()), aspect="auto")
-                ax.set_title(f"{_method_label(method)} (mean {kept.mean():.2f})", fontsize=9)
+                grids[method] = np.stack([np.stack(list(k)).astype(float) / n
+                                          for k, n in zip(sel["kept_per_layer_head"], sel["prompt_length"])]).mean(axis=0)
+            shown = {m: g for m, g in grids.items() if not np.allclose(g, g.flat[0])}
+            if not shown:
+                continue
+            fig, axes = plt.subplots(1, len(shown), figsize=(3 * len(shown) + 1, 3.4), squeeze=False,
+                                     layout="constrained")
+            vmax = max(1.0, max(g.max() for g in shown.values()))
+            for ax, (method, grid) in zip(axes[0], shown.items()):
+                image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=vmax, aspect="auto")
+                ax.set_title(f"{_method_label(method)} (mean {grid.mean():.2f})", fontsize=9)
                 ax.set_xlabel("KV head")
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.yaxis.set_major_locator(MaxNLocator(integer=True))
             axes[0][0].set_ylabel("layer")
             fig.colorbar(image, ax=axes[0].tolist(), label="kept / prompt length")
-            fig.suptitle(f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}", fontsize=10)
+            uniform = [f"{_method_label(m)} {g.flat[0]:.2f}" for m, g in grids.items() if m not in shown]
+            title = f"{task}: {display(model, MODEL_DISPLAY)}, budget {budget_display(budget)}"
+            fig.suptitle(title + (f"\nsame in every layer and head: {', '.join(uniform)}" if uniform else ""),
+                         fontsize=10)
             paths += save(fig, out, _name("kept", task, model, budget), formats)
     return paths

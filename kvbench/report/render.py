@@ -8,9 +8,11 @@ import math
 import pandas as pd
 
 from kvbench.report.paper import (DATASET_DISPLAY, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display)
+from kvbench.report.stats import PAIRED_TEST
 from kvbench.report.tables import OURS, Table
 
 DELTA = "Δ vs Full"
+OTHER_SAMPLES = "‡"  # the cell's samples are not the full cache's: not compared
 
 
 # metric name ending -> (factor, unit) for display; the CSV keeps SI values
@@ -24,10 +26,14 @@ def unit_of(column: str) -> tuple[float, str]:
     return next(((f, u) for end, (f, u) in UNITS.items() if metric.endswith(end)), (1.0, ""))
 
 
-def column_display(column: str) -> str:
+def column_display(column: str, memory_is_rss: bool = False) -> str:
+    """A column's header; ``memory_is_rss``: peak memory was measured on the CPU, where it is the growth of
+    the process's resident set, not what tensors held (kvbench.memory)."""
     dataset, _, metric = column.partition("/")
     name = display(dataset, DATASET_DISPLAY)
     unit = unit_of(column)[1]
+    if memory_is_rss and metric.endswith("peak_memory_bytes"):
+        unit += ", CPU RSS growth"
     return f"{name} {metric}" + (f" ({unit})" if unit else "") if metric else name
 
 
@@ -49,7 +55,8 @@ def cells(table: Table, cfg, bold_open: str, bold_close: str) -> list[list[str]]
     digits, out = int(cfg.digits), []
     for row in table.values.index:
         model, budget, method, source = row
-        line = [display(model, MODEL_DISPLAY), budget_display(budget), method_display(method, source)]
+        line = [display(model, MODEL_DISPLAY), budget_display(budget), method_display(method, source),
+                samples_display(table, row)]
         for column in table.values.columns:
             text = _number(table.values.at[row, column] * unit_of(column)[0], digits)
             if text != "–" and cfg.bold_best and table.bold.at[row, column]:
@@ -64,8 +71,19 @@ def cells(table: Table, cfg, bold_open: str, bold_close: str) -> list[list[str]]
     return out
 
 
+def samples_display(table: Table, row) -> str:
+    """n of a row: samples per data column ("3"; "2–6" when the columns differ); empty for paper rows."""
+    if row not in table.n.index:
+        return ""
+    counts = table.n.loc[row].dropna()
+    if counts.empty:
+        return ""
+    low, high = int(counts.min()), int(counts.max())
+    return str(low) if low == high else f"{low}–{high}"
+
+
 def _annotations(table: Table, row, column: str, cfg) -> str:
-    text = ""
+    text = OTHER_SAMPLES if table.other_samples.at[row, column] else ""
     if cfg.ci and table.ci_lo is not None and not math.isnan(table.ci_lo.at[row, column]):
         text += f" [{table.ci_lo.at[row, column]:.{int(cfg.digits)}f}, {table.ci_hi.at[row, column]:.{int(cfg.digits)}f}]"
     if cfg.pvalues and table.p_vs_full is not None and table.p_vs_full.at[row, column] < float(cfg.stats.alpha):
@@ -74,7 +92,7 @@ def _annotations(table: Table, row, column: str, cfg) -> str:
 
 
 def header(table: Table, cfg) -> list[str]:
-    names = ["Model", "Budget", "Method", *(column_display(c) for c in table.values.columns)]
+    names = ["Model", "Budget", "Method", "n", *(column_display(c, table.memory_is_rss) for c in table.values.columns)]
     return names + ([DELTA] if show_delta(table, cfg) else [])
 
 
@@ -87,13 +105,20 @@ def markdown(table: Table, cfg) -> str:
     lines = [f"Query mode: {table.modes}.", "", "| " + " | ".join(head) + " |",
              "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in cells(table, cfg, "**", "**")]
-    notes = ["Best compressed method per model × budget block in bold (higher is better; lower for perplexity,"
-             " time and memory)."]
+    return "\n".join(lines) + "\n\n" + " ".join(notes(table, cfg)) + "\n"
+
+
+def notes(table: Table, cfg) -> list[str]:
+    out = ["n: samples per dataset.", "Best compressed method per model × budget block in bold (higher is better;"
+           " lower for perplexity, time and memory)."]
+    if table.other_samples.to_numpy().any():
+        out.append(f"{OTHER_SAMPLES}: scored on other samples than the full cache (another limit or data): "
+                   "not ranked, no Δ.")
     if cfg.ci:
-        notes.append("[lo, hi]: bootstrap 95% confidence interval over samples.")
+        out.append("[lo, hi]: bootstrap 95% confidence interval over samples.")
     if cfg.pvalues:
-        notes.append(f"†: paired bootstrap p < {cfg.stats.alpha} vs the full cache.")
-    return "\n".join(lines) + "\n\n" + " ".join(notes) + "\n"
+        out.append(f"†: p < {cfg.stats.alpha} vs the full cache in a {PAIRED_TEST} on the samples both scored.")
+    return out
 
 
 def latex_escape(text: str) -> str:
@@ -128,6 +153,9 @@ def csv_frame(table: Table, cfg) -> pd.DataFrame:
             frame[f"{column}:ci_lo"] = table.ci_lo[column]
             frame[f"{column}:ci_hi"] = table.ci_hi[column]
             frame[f"{column}:p_vs_full"] = table.p_vs_full[column]
+    for column in table.data_columns:
+        frame[f"{column}:n"] = table.n[column]
+        frame[f"{column}:other_samples"] = table.other_samples[column]
     for column in table.values.columns:
         frame[f"{column}:best"] = table.bold[column]
     frame["mode"] = table.modes
@@ -136,9 +164,10 @@ def csv_frame(table: Table, cfg) -> pd.DataFrame:
 
 def pvalue_markdown(table: Table, digits: int) -> str:
     frame = table.pvalues
-    head = "| Model | Budget | Dataset | Metric | Method | vs | Δ | p |\n|---|---|---|---|---|---|---:|---:|\n"
+    head = ("| Model | Budget | Dataset | Metric | Method | vs | n | Δ | p |\n"
+            "|---|---|---|---|---|---|---:|---:|---:|\n")
     body = "".join(
         f"| {display(r.model, MODEL_DISPLAY)} | {budget_display(r.budget)} | {column_display(r.dataset)} | {r.metric} "
         f"| {method_display(r.method_a, OURS)} | {method_display(r.method_b, OURS)} ({budget_display(r.budget_b)}) "
-        f"| {r.delta:+.{digits}f} | {r.p_value:.4f} |\n" for r in frame.itertuples())
-    return head + body
+        f"| {r.n} | {r.delta:+.{digits}f} | {r.p_value:.4f} |\n" for r in frame.itertuples())
+    return head + body + f"\np: two-sided {PAIRED_TEST} on the n samples both rows scored.\n"

@@ -1,7 +1,8 @@
 """Comparison tables in the papers' layout: rows = model x budget x method (full cache first in each model
 block; paper rows beside ours), columns = datasets (+ LongBench category averages and the overall average),
 best compressed method per model x budget block marked, delta vs full cache, optional bootstrap CIs and
-paired p-values. Rendering is in ``render.py``."""
+paired p-values, the number of samples behind each cell, and the cells scored on other samples than the
+full cache marked (no delta, not ranked). Rendering is in ``render.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.report import stats
+from kvbench.report.data import other_samples
 from kvbench.report.paper import FULL
 from kvbench.tasks.longbench import CATEGORIES, CATEGORY_OF, language_of
 from kvbench.tasks.zeroscrolls import PRIMARY_METRIC
@@ -38,6 +40,9 @@ class Table:
     pvalues: pd.DataFrame | None = None  # long: model, budget, dataset, metric, method_a, method_b, delta, p
     column_metric: dict = field(default_factory=dict)  # column -> (dataset, metric) for data columns
     modes: str = ""  # the query modes of the table's results (official, query_agnostic, no_query)
+    n: pd.DataFrame | None = None  # samples behind each of our cells (index INDEX, data columns)
+    other_samples: pd.DataFrame | None = None  # True: the cell's samples are not the full cache's
+    memory_is_rss: bool = False  # every run on the CPU: "peak memory" is the process's RSS growth
 
 
 def select_metrics(metrics: pd.DataFrame, task: str, wanted: list[str] | None) -> pd.DataFrame:
@@ -77,11 +82,10 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
     single = rows["metric"].nunique() == 1 or "primary" in list(cfg.metrics.get(task) or [])
     rows = rows.assign(column=rows["dataset"] if single else rows["dataset"] + "/" + rows["metric"])
     column_metric = dict(zip(rows["column"], zip(rows["dataset"], rows["metric"])))
-    values = rows.pivot_table(index=["model", "budget", "row_method"], columns="column", values="value",
-                              aggfunc="first")
-    values.index = pd.MultiIndex.from_tuples([(*i, OURS) for i in values.index], names=INDEX)
-    data_columns = column_order(list(values.columns), task)
-    values = values[data_columns]
+    rows = rows.assign(other_samples=other_samples(rows))
+    wide = {name: _ours(rows, name) for name in ("value", "n", "other_samples")}
+    data_columns = column_order(list(wide["value"].columns), task)
+    values = wide["value"][data_columns]
     if cfg.paper:
         values = pd.concat([values, paper_rows(rows, reference, task, data_columns, single)])
     budget_kind = dict(zip(rows["budget"], zip(rows["budget_kind"], rows["budget_value"])))
@@ -89,12 +93,32 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
     values = values.reindex(pd.MultiIndex.from_tuples(order, names=INDEX))
     values = add_averages(values, data_columns, task)
     modes = ", ".join(sorted(rows["mode"].dropna().astype(str).unique())) if "mode" in rows else ""
-    table = Table(task, values, data_columns, column_metric=column_metric, modes=modes or "unrecorded")
-    table.bold = best_per_block(values, {c: lower_is_better(m) for c, (_, m) in column_metric.items()})
-    table.delta = delta_vs_full(values, data_columns, task)
+    table = Table(task, values, data_columns, column_metric=column_metric, modes=modes or "unrecorded",
+                  n=wide["n"].reindex(index=values.index, columns=data_columns),
+                  other_samples=wide["other_samples"].reindex(index=values.index, columns=data_columns)
+                  .fillna(False).astype(bool),
+                  memory_is_rss="device" in rows and rows["device"].astype(str).str.startswith("cpu").all())
+    table.bold = best_per_block(values.mask(_spread(table.other_samples, values.columns)),
+                                {c: lower_is_better(m) for c, (_, m) in column_metric.items()})
+    table.delta = delta_vs_full(values, data_columns, task).mask(table.other_samples.any(axis=1))
     if cfg.ci or cfg.pvalues:
         add_statistics(table, predictions[predictions["task"] == task], cfg)
     return table
+
+
+def _ours(rows: pd.DataFrame, name: str) -> pd.DataFrame:
+    """One column of our rows as a table: index INDEX (source "ours"), one column per data column."""
+    wide = rows.pivot_table(index=["model", "budget", "row_method"], columns="column", values=name, aggfunc="first")
+    wide.index = pd.MultiIndex.from_tuples([(*i, OURS) for i in wide.index], names=INDEX)
+    return wide
+
+
+def _spread(cells: pd.DataFrame, columns) -> pd.DataFrame:
+    """Per-data-column flags extended to the average columns: an average is flagged if a row flags any cell."""
+    out = cells.reindex(columns=columns, fill_value=False)
+    for column in columns.difference(cells.columns):
+        out[column] = cells.any(axis=1)
+    return out.astype(bool)
 
 
 def paper_rows(rows: pd.DataFrame, reference: pd.DataFrame, task: str, columns: list[str], single: bool) -> pd.DataFrame:
@@ -175,7 +199,8 @@ def delta_vs_full(values: pd.DataFrame, data_columns: list[str], task: str) -> p
 
 
 def add_statistics(table: Table, predictions: pd.DataFrame, cfg) -> None:
-    """Bootstrap CI per (our row, data column) and paired p-values vs full and between methods of a block."""
+    """Bootstrap CI per (our row, data column) and paired permutation p-values vs full and between methods of a
+    block, each on the samples both rows scored (``n`` in the p-value table)."""
     shape = dict(index=table.values.index, columns=table.data_columns)
     table.ci_lo, table.ci_hi = pd.DataFrame(np.nan, **shape), pd.DataFrame(np.nan, **shape)
     table.p_vs_full = pd.DataFrame(np.nan, **shape)
@@ -189,7 +214,7 @@ def add_statistics(table: Table, predictions: pd.DataFrame, cfg) -> None:
         for model, frame in wide.groupby(level="model"):
             long += _column_statistics(table, column, dataset, metric, model, frame, resamples, seed)
     table.pvalues = pd.DataFrame(long, columns=["model", "budget", "dataset", "metric", "method_a", "budget_b",
-                                                "method_b", "delta", "p_value", "n"])
+                                                "method_b", "delta", "p_value", "n"]).assign(test=stats.PAIRED_TEST)
 
 
 def _column_statistics(table, column, dataset, metric, model, frame, resamples, seed) -> list[tuple]:
@@ -208,7 +233,7 @@ def _column_statistics(table, column, dataset, metric, model, frame, resamples, 
             if pair.empty:
                 continue
             a, b = pair.iloc[:, 0].to_numpy(), pair.iloc[:, 1].to_numpy()
-            p = stats.paired_pvalue(a, b, resamples, seed)
+            p = stats.paired_permutation_pvalue(a, b, resamples, seed)
             out.append((model, budget, dataset, metric, method, other[0], other[1], 100 * float((a - b).mean()), p,
                         len(pair)))
             if other[0] == FULL:

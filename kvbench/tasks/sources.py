@@ -69,16 +69,40 @@ def load_records(ref: DataRef, source: str, data_dir: str | None, revision: str 
     return read_records(path), provenance
 
 
+class Record(dict):
+    """One data record; reading a field it lacks names the file and the fields it has (a ConfigError, not a
+    bare KeyError deep inside a task)."""
+
+    origin: str = ""
+
+    def __missing__(self, key):
+        raise ConfigError(f"{self.origin} has no field '{key}'; its fields: {', '.join(sorted(self))}")
+
+
 def read_records(path: Path, member: str | None = None) -> list[dict]:
     """jsonl (one object per line), json (a list of objects) or parquet; ``member``: that file inside the
-    zip archive ``path`` (read in place, not extracted)."""
-    if member is not None:
-        with zipfile.ZipFile(path) as archive:
-            return _parse(archive.read(member), Path(member).suffix)
-    return _parse(Path(path).read_bytes(), Path(path).suffix)
+    zip archive ``path`` (read in place, not extracted). A file that cannot be parsed or holds no records is
+    an error naming it."""
+    where = f"{path}::{member}" if member is not None else str(path)
+    try:
+        if member is not None:
+            with zipfile.ZipFile(path) as archive:
+                data, suffix = archive.read(member), Path(member).suffix
+        else:
+            data, suffix = Path(path).read_bytes(), Path(path).suffix
+        rows = _parse(data, suffix, where)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:  # JSON/UTF-8/parquet errors: ValueError
+        raise ConfigError(f"data file {where} cannot be read: {type(err).__name__}: {err}") from None
+    if not rows:
+        raise ConfigError(f"data file {where} holds no records")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"data file {where} must hold one JSON object per record")
+    return [_record(row, f"data file {where} record {i}") for i, row in enumerate(rows)]
 
 
-def _parse(data: bytes, suffix: str) -> list[dict]:
+def _parse(data: bytes, suffix: str, where: str) -> list:
     if suffix == ".parquet":
         import pandas as pd
 
@@ -86,7 +110,20 @@ def _parse(data: bytes, suffix: str) -> list[dict]:
     text = data.decode("utf-8")
     if suffix == ".json":
         return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [_json_line(where, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _json_line(where: str, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except ValueError as err:
+        raise ConfigError(f"data file {where} line {number} is not JSON ({err})") from None
+
+
+def _record(row: dict, origin: str) -> Record:
+    record = Record(row)
+    record.origin = origin
+    return record
 
 
 def hub_files(hub_id: str, pattern: str, revision: str | None) -> tuple[list[Path], str]:

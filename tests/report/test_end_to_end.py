@@ -28,7 +28,7 @@ def test_sweep_then_report(tmp_path):
          f"results_root={root}"], tmp_path)
     run(["-m", "kvbench.report", "--root", str(root), "--ci", "--pvalues"], tmp_path)
     metrics = pd.read_parquet(root / "metrics.parquet")
-    assert metrics["run_id"].nunique() == 4
+    assert metrics["run_id"].nunique() == 3  # the full cache runs once for both budgets
     table = pd.read_csv(root / "report" / "tables" / "passkey.csv").set_index(["budget", "method"])
     exact = metrics[metrics.metric == "exact_match"]
     for r in exact.itertuples():
@@ -37,14 +37,16 @@ def test_sweep_then_report(tmp_path):
     assert sorted(table.index) == [("0.2", "streamingllm"), ("0.5", "streamingllm"), ("full", "full")]
     for name in ("passkey.md", "passkey.tex", "passkey_pvalues.csv"):
         assert (root / "report" / "tables" / name).exists()
-    for kind in ("needle", "budget", "kept", "efficiency"):
+    for kind in ("needle", "budget", "efficiency"):
         assert list((root / "report" / "plots").glob(f"{kind}_passkey_*.png")), kind
-    # every run is in W&B (offline), all four in the sweep's group, with the metric values of the parquet
+    # the full cache and StreamingLLM keep the same fraction in every layer and head: no one-colour heatmap
+    assert not list((root / "report" / "plots").glob("kept_passkey_*.png"))
+    # every run is in W&B (offline), all three in the sweep's group, with the metric values of the parquet
     runs = [decode_run(f) for f in root.glob("wandb/offline-run-*/run-*.wandb")]
-    assert len(runs) == 4
+    assert len(runs) == 3
     assert len({r["group"] for r in runs}) == 1 and runs[0]["group"].startswith("sweep-")
     for r in runs:
-        rid = r["config"]["kvbench_run_id"]
+        rid = r["config"]["run_id"]
         row = exact[exact.run_id == rid].iloc[0]
         assert r["summary"]["passkey/exact_match"] == pytest.approx(row.value)
         assert r["summary"]["run/kept_fraction"] == pytest.approx(row.kept_fraction)

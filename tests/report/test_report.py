@@ -11,7 +11,7 @@ import pytest
 
 from kvbench.report import main
 from kvbench.report.paper import PAPER_RESULTS
-from kvbench.report.stats import bootstrap_ci, paired_pvalue
+from kvbench.report.stats import bootstrap_ci, paired_permutation_pvalue
 from tests.report.synthetic import MODEL, make_results
 
 
@@ -94,7 +94,8 @@ def test_markdown_bold_marks_best_of_each_block(root):
         assert row[col].startswith("**") == (abs(value - round(best, 2)) < 1e-9), row
     full = next(r for r in rows if r[2] == "Full Cache")
     assert "**" not in "".join(full)  # the full cache is the reference, never "best"
-    assert header[-1] == "Δ vs Full" and header[3:7] == ["NrtvQA", "Qasper", "HotpotQA", "TREC"]
+    assert header[-1] == "Δ vs Full" and header[3:8] == ["n", "NrtvQA", "Qasper", "HotpotQA", "TREC"]
+    assert all(r[3] == "3" for r in rows if "paper" not in r[2])  # 3 samples per dataset
 
 
 def test_latex_is_booktabs_with_one_line_per_row(root):
@@ -125,9 +126,9 @@ def test_bootstrap_intervals_and_pvalues():
     assert bootstrap_ci([0.4] * 5) == pytest.approx((40.0, 40.0))
     lo, hi = bootstrap_ci([0.0, 1.0] * 50, resamples=2000)
     assert 38 < lo < 50 < hi < 62  # 50 +- 1.96 * 5
-    assert paired_pvalue([0.3, 0.5, 0.1], [0.3, 0.5, 0.1]) == 1.0
-    assert paired_pvalue(np.ones(40), np.zeros(40), resamples=999) == pytest.approx(1 / 1000)
-    assert paired_pvalue([1, 0] * 20, [0, 1] * 20) > 0.5  # equal means
+    assert paired_permutation_pvalue([0.3, 0.5, 0.1], [0.3, 0.5, 0.1]) == 1.0
+    assert paired_permutation_pvalue(np.ones(40), np.zeros(40), resamples=999) == pytest.approx(1 / 1000)
+    assert paired_permutation_pvalue([1, 0] * 20, [0, 1] * 20) > 0.5  # equal means
 
 
 def test_ci_and_pvalue_columns(root):

@@ -37,11 +37,11 @@ def run_frames():
     return metrics, predictions
 
 
-def settled_run(path: Path, timeout: float = 60.0) -> dict:
+def settled_run(path: Path, key: str = "qasper/score", timeout: float = 60.0) -> dict:
     """The decoded run once W&B's background writer has flushed the summary (it can lag ``finish`` under load)."""
     deadline = time.monotonic() + timeout
     run = decode_run(path)
-    while "qasper/score" not in run["summary"] and time.monotonic() < deadline:
+    while key not in run["summary"] and time.monotonic() < deadline:
         time.sleep(0.5)
         run = decode_run(path)
     return run
@@ -65,9 +65,9 @@ def test_offline_run_holds_metrics_config_group_and_tags(tmp_path):
     assert run["summary"]["avg:overall/score"] == 31.25
     assert run["summary"]["run/kept_fraction"] == pytest.approx(0.21)
     assert run["summary"]["predictions/nrows"] == 2 and run["summary"]["metrics/nrows"] == 3
-    assert run["config"]["seed"] == 42 and run["config"]["kvbench_run_id"] == "abc123"
+    assert run["config"]["seed"] == 42 and run["config"]["run_id"] == "abc123"
     assert run["group"] == "sweep-x" and sorted(run["tags"]) == ["ci", "h2o"]
-    assert run["project"] == "kvbench" and run["name"] == "tiny/h2o@0.2/longbench"
+    assert run["project"] == "kvbench" and run["name"] == "tiny / h2o / 0.2 / longbench"
 
 
 def test_disabled_writes_nothing_and_bad_mode_is_rejected(tmp_path):
@@ -82,3 +82,18 @@ def test_metric_keys_and_no_group_outside_a_hydra_sweep():
     assert metric_key({"dataset": "niah", "metric": "rouge1"}) == "niah/rouge1"
     assert metric_key({"dataset": "qasper", "metric": "score", "length_bucket": "8k+"}) == "qasper/score/8k+"
     assert sweep_group() is None
+
+
+def test_a_run_finished_without_wandb_is_logged_when_asked_later(tmp_path):
+    from kvbench import runner
+    from tests.test_runner import make_cfg
+
+    run_dir = runner.run(make_cfg(tmp_path, "method=full"))  # logger=none
+    assert not (tmp_path / "wandb").exists()
+    assert runner.run(make_cfg(tmp_path, "method=full", "logger=wandb")) is None  # skipped, yet logged now
+    files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    run = settled_run(files[0], key="passkey/exact_match")
+    assert run["config"]["run_id"] == run_dir.name and run["name"] == "tiny-llama-random / full / full / passkey"
+    runner.run(make_cfg(tmp_path, "method=full", "logger=wandb"))  # logged before: not a second W&B run
+    assert len(list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))) == 1
