@@ -214,11 +214,21 @@ def test_pyramidkv_budgets_by_hand():
 
 
 def test_pyramidkv_bottom_layer_capped_at_the_prompt():
-    stats = [AttentionStats(num_queries=torch.tensor([24, 30, 100]))]
-    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 30, 3]), 4, stats, 0)
-    # n_keep 20 of 24: bottom 4 + 24 > 24 -> bottom 20, top 32 - 20 = 12: [24, 21.33, 18.67, 16] -> +1 to 18.67
+    stats = [AttentionStats(num_queries=torch.tensor([33, 30, 100]))]
+    budgets = PyramidKV(window=4, beta=8).layer_budgets(torch.tensor([20, 30, 3]), 4, stats, 0)
+    # n_keep 20 of 33: spare 16, top 2, bottom 30; 4 + 30 > 33 -> bottom 29, top 32 - 29 = 3:
+    #   4 + [29, 20.33, 11.67, 3] = [33, 24.33, 15.67, 7] -> floors sum to 79, +1 to 15.67
     # n_keep 30 >= prompt 30: nothing to compress, every layer 30; n_keep 3 <= window: every layer 3
-    assert budgets.tolist() == [[24, 30, 3], [21, 30, 3], [19, 30, 3], [16, 30, 3]]
+    assert budgets.tolist() == [[33, 30, 3], [24, 30, 3], [16, 30, 3], [7, 30, 3]]
+
+
+def test_pyramidkv_falls_back_to_uniform_budgets_on_a_short_prompt():
+    # PyramidKV's code: q_len < 2 * (n_keep - window) -> every layer n_keep. n_keep 20, window 4: 2 x 16 = 32.
+    # Prompt 24 < 32: uniform (the capped pyramid would be 4 + [20, 17.33, 14.67, 12]); prompt 32: the pyramid.
+    stats = [AttentionStats(num_queries=torch.tensor([24, 32]))]
+    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 20]), 4, stats, 0)
+    # prompt 32: spare 16, top 8, bottom 24; 4 + 24 = 28 <= 32: [28, 22.67, 17.33, 12] -> +1 to 22.67
+    assert budgets.tolist() == [[20, 28], [20, 23], [20, 17], [20, 12]]
 
 
 @pytest.mark.parametrize("n_keep", [33, 40, 100, 257, 1000])
