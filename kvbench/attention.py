@@ -70,13 +70,13 @@ def _make_attention(impl: str):
             output, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
             if wanted - {"raw_keys"}:
                 q, q_pos = query, query_pos
-                if wanted & {"column_sums", "step_attention"} == set() and cache.window > 0:
+                if wanted & {"column_sums", "step_attention", "query_column_sums"} == set() and cache.window > 0:
                     # only the last `window` queries matter (left padding keeps them real): skip the rest
                     q, q_pos = query[:, :, -cache.window:], query_pos[:, -cache.window:]
                 _, stats = ragged_attention(
                     q, key, None, key_valid, key_pos, q_pos, scaling,
                     window=cache.window, want_column_sums="column_sums" in wanted,
-                    want_step="step_attention" in wanted,
+                    want_step="step_attention" in wanted, want_query_column_sums="query_column_sums" in wanted,
                 )
         else:
             output, stats = ragged_attention(
@@ -84,6 +84,7 @@ def _make_attention(impl: str):
                 window=cache.window if "window_column_sums" in wanted else 0,
                 want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
                 key_bias=None if bias is None else bias[:, :, :t],
+                want_query_column_sums="query_column_sums" in wanted,
             )
             output = output.transpose(1, 2).contiguous()
         n_real = (query_pos >= 0).sum(-1)
