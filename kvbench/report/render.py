@@ -7,10 +7,12 @@ import math
 
 import pandas as pd
 
-from kvbench.report.paper import (DATASET_DISPLAY, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display)
+from kvbench.report.paper import (DATASET_DISPLAY, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display,
+                                  kept_display)
 from kvbench.report.tables import OURS, Table
 
 DELTA = "Δ vs Full"
+KEPT_COLUMN = "Kept"  # the realized kept fraction, beside the budget label
 
 
 # metric name ending -> (factor, unit) for display; the CSV keeps SI values
@@ -32,8 +34,10 @@ def column_display(column: str) -> str:
 
 
 def method_display(method: str, source: str) -> str:
+    method, at, budget = method.partition("@")  # rows aligned by kept fraction carry their budget label
     base, bracket, rest = method.partition("[")
     name = display(base, METHOD_DISPLAY) + (f" [{rest}" if bracket else "")
+    name += f" @ {budget_display(budget)}" if at else ""
     if source != OURS:
         paper, _, table_id = source.removeprefix("paper:").partition("/")
         name += f" (paper: {paper} {table_id.replace('table', 'T')})"
@@ -49,7 +53,8 @@ def cells(table: Table, cfg, bold_open: str, bold_close: str) -> list[list[str]]
     digits, out = int(cfg.digits), []
     for row in table.values.index:
         model, budget, method, source = row
-        line = [display(model, MODEL_DISPLAY), budget_display(budget), method_display(method, source)]
+        line = [display(model, MODEL_DISPLAY), budget_display(budget), kept_display(table.kept[row]),
+                method_display(method, source)]
         for column in table.values.columns:
             text = _number(table.values.at[row, column] * unit_of(column)[0], digits)
             if text != "–" and cfg.bold_best and table.bold.at[row, column]:
@@ -74,7 +79,7 @@ def _annotations(table: Table, row, column: str, cfg) -> str:
 
 
 def header(table: Table, cfg) -> list[str]:
-    names = ["Model", "Budget", "Method", *(column_display(c) for c in table.values.columns)]
+    names = ["Model", "Budget", KEPT_COLUMN, "Method", *(column_display(c) for c in table.values.columns)]
     return names + ([DELTA] if show_delta(table, cfg) else [])
 
 
@@ -84,10 +89,12 @@ def show_delta(table: Table, cfg) -> bool:
 
 def markdown(table: Table, cfg) -> str:
     head = header(table, cfg)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
+    align = ["---", "---", "---:", "---"] + ["---:"] * (len(head) - 4)  # Model, Budget, Kept, Method, values
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in cells(table, cfg, "**", "**")]
     notes = ["Best compressed method per model × budget block in bold (higher is better; lower for perplexity,"
-             " time and memory)."]
+             " time and memory).", f"{KEPT_COLUMN}: realized kept fraction (kept slots / prompt length, mean over"
+             " samples, layers and heads)."]
     if cfg.ci:
         notes.append("[lo, hi]: bootstrap 95% confidence interval over samples.")
     if cfg.pvalues:
@@ -105,7 +112,7 @@ def latex_escape(text: str) -> str:
 def latex(table: Table, cfg) -> str:
     head = header(table, cfg)
     rows = cells(table, cfg, "\x00", "\x01")
-    lines = [r"\begin{tabular}{lll" + "r" * (len(head) - 3) + "}", r"\toprule",
+    lines = [r"\begin{tabular}{llrl" + "r" * (len(head) - 4) + "}", r"\toprule",
              " & ".join(latex_escape(h) for h in head) + r" \\", r"\midrule"]
     previous = None
     for index, row in zip(table.values.index, rows):
@@ -121,6 +128,7 @@ def latex(table: Table, cfg) -> str:
 
 def csv_frame(table: Table, cfg) -> pd.DataFrame:
     frame = table.values.copy()
+    frame.insert(0, "kept_fraction", table.kept)
     frame[DELTA] = table.delta
     if table.ci_lo is not None:
         for column in table.data_columns:

@@ -1,7 +1,8 @@
 """Comparison tables in the papers' layout: rows = model x budget x method (full cache first in each model
 block; paper rows beside ours), columns = datasets (+ LongBench category averages and the overall average),
 best compressed method per model x budget block marked, delta vs full cache, optional bootstrap CIs and
-paired p-values. Rendering is in ``render.py``."""
+paired p-values; every row carries its realized kept fraction (shown beside the budget). Rendering is in
+``render.py``."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Table:
     p_vs_full: pd.DataFrame | None = None
     pvalues: pd.DataFrame | None = None  # long: model, budget, dataset, metric, method_a, method_b, delta, p
     column_metric: dict = field(default_factory=dict)  # column -> (dataset, metric) for data columns
+    kept: pd.Series = None  # realized kept fraction per row (mean over the row's runs; NaN for paper rows)
 
 
 def select_metrics(metrics: pd.DataFrame, task: str, wanted: list[str] | None) -> pd.DataFrame:
@@ -61,7 +63,7 @@ def column_order(columns: list[str], task: str) -> list[str]:
 def row_order(index: list[tuple], method_order: list[str], budget_kind: dict) -> list[tuple]:
     def key(row):
         model, budget, method, source = row
-        base = method.split("[")[0]
+        base = method.split("[")[0].split("@")[0]
         budget_key = (-1, 0.0) if budget == FULL else (budget_kind.get(budget, ("fraction", 0))[0] != "fraction",
                                                        budget_kind.get(budget, ("", 0.0))[1])
         m = method_order.index(base) if base in method_order else len(method_order)
@@ -87,12 +89,21 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
     order = row_order(list(values.index), list(cfg.method_order), budget_kind)
     values = values.reindex(pd.MultiIndex.from_tuples(order, names=INDEX))
     values = add_averages(values, data_columns, task)
-    table = Table(task, values, data_columns, column_metric=column_metric)
+    table = Table(task, values, data_columns, column_metric=column_metric, kept=kept_per_row(rows, values.index))
     table.bold = best_per_block(values, {c: lower_is_better(m) for c, (_, m) in column_metric.items()})
     table.delta = delta_vs_full(values, data_columns, task)
     if cfg.ci or cfg.pvalues:
         add_statistics(table, predictions[predictions["task"] == task], cfg)
     return table
+
+
+def kept_per_row(rows: pd.DataFrame, index: pd.MultiIndex) -> pd.Series:
+    """Realized kept fraction of each of our rows: the mean over its runs of the run's ``kept_fraction``."""
+    if "kept_fraction" not in rows:
+        return pd.Series(np.nan, index=index)
+    runs = rows.drop_duplicates("run_id")
+    kept = runs.groupby(["model", "budget", "row_method"])["kept_fraction"].mean()
+    return pd.Series([kept.get(r[:3], np.nan) if r[3] == OURS else np.nan for r in index], index=index)
 
 
 def paper_rows(rows: pd.DataFrame, reference: pd.DataFrame, task: str, columns: list[str], single: bool) -> pd.DataFrame:
