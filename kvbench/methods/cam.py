@@ -40,8 +40,8 @@ Interpretations:
 
 Cost per compression of a row of T slots (E evicted, head dim d, n targets): selection O(T log T); the
 cascade x_e = v_e + sum over evicted j in [e - n, e) of m_j x_j / n is a banded triangular system over the
-evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d); spreading onto the kept
-slots O(n T d). A decode step evicts one token: O(n T) for the window scores, O(n d) effective merge.
+evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d) (a decode step: E = 1);
+the window scores O(n T) and spreading onto the kept slots O(n T d), at every call.
 """
 
 from __future__ import annotations
