@@ -12,7 +12,8 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   numerically identical to plain ``generate``; when the method wants column sums over every query, the
   forward comes from an attention that also returns the log-sum-exp (cuDNN's on CUDA) and the statistics
   from one column-sum pass over Q and K with that lse: never a second attention; statistics of the last
-  ``window`` queries alone take the window's lse apart;
+  ``window`` queries alone take the window's lse apart; per-query-head sums (D2O) run the column-sum pass
+  over the keys repeated to the query heads (the same work, one output row per query head);
 - a one-query pass over rows of one common length, with no statistics and no per-slot bias, runs the wrapped
   implementation over the first ``length`` slots (decode as plain ``generate`` does it);
 - any other one-query pass runs ``decode_attention`` (split-K over the storage, per-row lengths, optional
@@ -42,7 +43,7 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # Statistics the attention computes; raw_keys come from the stored keys when the method compresses.
-ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention"})
+ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention", "query_column_sums"})
 
 
 def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -70,10 +71,8 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
     Statistics of the last ``window`` queries alone need only theirs: the wrapped implementation runs the
     forward and the window's lse is computed apart (a window of 32 rows costs a few percent of a pass)."""
     wanted = plan.wanted & ATTENTION_STATS
-    B, _, Q, _ = query.shape
-    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
-    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
-    if wanted & {"column_sums", "step_attention"}:
+    B, Hq, Q, _ = query.shape
+    if wanted & {"column_sums", "step_attention", "query_column_sums"}:
         output, lse = causal_attention_lse(query, key, value, scaling)
         q, q_pos = query, plan.query_positions
         output = output.transpose(1, 2).contiguous()
@@ -82,9 +81,23 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
         if not wanted:
             return output, {}
         q, q_pos = query[:, :, -plan.window:], plan.query_positions[:, -plan.window:]
+        lse = None
+    Hkv = key.shape[1]
+    per_query_head = "query_column_sums" in wanted
+    if per_query_head:  # every query head's own sums: its keys repeated, then averaged per group below
+        key = key.repeat_interleave(Hq // Hkv, dim=1)
+    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
+    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
+    if lse is None:
         _, lse = attention_lse(q, key, None, key_valid, key_pos, q_pos, scaling)
     col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
-    stats = {"window_column_sums": win} if win is not None else {}
+    stats = {}
+    if per_query_head:
+        stats["query_column_sums"] = col
+        col = col.view(B, Hkv, Hq // Hkv, Q).mean(2)
+        win = None if win is None else win.view(B, Hkv, Hq // Hkv, Q).mean(2)
+    if win is not None:
+        stats["window_column_sums"] = win
     if "column_sums" in wanted:
         stats["column_sums"] = col
     if "step_attention" in wanted:
@@ -114,7 +127,7 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
         query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
         scaling, window=plan.window if "window_column_sums" in wanted else 0,
         want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
-        key_bias=None if bias is None else bias[:, :, :t],
+        key_bias=None if bias is None else bias[:, :, :t], want_query_column_sums="query_column_sums" in wanted,
     )
     pad = kv.capacity - t  # statistics are aligned with the whole storage the method receives
     return output.transpose(1, 2).contiguous(), {name: F.pad(s, (0, pad)) for name, s in stats.items()}

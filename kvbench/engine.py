@@ -220,6 +220,11 @@ class Engine:
         if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool) or
                                                not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
             raise ConfigError(f"engine.prefill_chunk_size={prefill_chunk_size!r}; accepted: an integer >= 1 or null")
+        if prefill_chunk_size is not None and method.budget_needs:
+            # [I] their layer budgets are defined on every prompt query's attention to every prompt token
+            raise ConfigError(f"engine.prefill_chunk_size={prefill_chunk_size} with method={method.name}: its layer "
+                              f"budgets need {', '.join(sorted(method.budget_needs))} of the whole prompt before any "
+                              "compression; accepted: engine.prefill_chunk_size=null")
         self.model = model
         self.method = method
         self.budget = budget

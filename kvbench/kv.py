@@ -223,6 +223,8 @@ class AttentionStats:
     step_attention:     (B, H_kv, T) attention of this pass's queries to each slot: the new token's at a
                         decode step (summed over the queries when a pass feeds several, e.g. a suffix).
     raw_keys:           (B, H_kv, T, D) keys with RoPE removed (for methods that compare raw keys).
+    query_column_sums:  (B, H_q, T) column_sums per *query* head (not averaged over the GQA group; query head
+                        h reads KV head h // group), for methods whose rule is stated per query head (D2O).
     num_queries:        (B,) number of real queries in this pass.
     """
 
@@ -230,6 +232,7 @@ class AttentionStats:
     window_column_sums: Tensor | None = None
     step_attention: Tensor | None = None
     raw_keys: Tensor | None = None
+    query_column_sums: Tensor | None = None
     num_queries: Tensor | None = None
 
     def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
@@ -237,19 +240,20 @@ class AttentionStats:
         def fix(t: Tensor | None) -> Tensor | None:
             if t is None:
                 return None
-            if order is not None:
-                t = t.gather(2, order.clamp(min=0, max=t.shape[2] - 1))
+            if order is not None:  # per-query-head statistics follow their KV head's order
+                rows = order.repeat_interleave(t.shape[1] // order.shape[1], dim=1)
+                t = t.gather(2, rows.clamp(min=0, max=t.shape[2] - 1))
             if t.shape[2] < capacity:
                 t = torch.cat([t, t.new_zeros(*t.shape[:2], capacity - t.shape[2])], dim=2)
             return t[:, :, :capacity]
 
         return AttentionStats(column_sums=fix(self.column_sums), window_column_sums=fix(self.window_column_sums),
                               step_attention=fix(self.step_attention), raw_keys=self.raw_keys,
-                              num_queries=self.num_queries)
+                              query_column_sums=fix(self.query_column_sums), num_queries=self.num_queries)
 
 
 # A per-slot state a method may keep: added to the attention logit of the slot for every query (e.g. log of a
 # merged slot's multiplicity, so that one centroid weighs like the n tokens it stands for). New slots get 0.
 LOGIT_BIAS = "logit_bias"
 
-STAT_NAMES = frozenset({"column_sums", "window_column_sums", "step_attention", "raw_keys"})
+STAT_NAMES = frozenset({"column_sums", "window_column_sums", "step_attention", "raw_keys", "query_column_sums"})

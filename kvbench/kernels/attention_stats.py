@@ -59,6 +59,7 @@ def ragged_attention(
     want_step: bool = False,
     chunk: int = 512,
     key_bias: Tensor | None = None,
+    want_query_column_sums: bool = False,
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """Masked softmax attention with optional statistics.
 
@@ -67,9 +68,10 @@ def ragged_attention(
     "column_sums", "window_column_sums" (over the last ``window`` real queries) and "step_attention"
     (attention of this pass's queries: the new token's at a decode step, summed over the pass's real
     queries when several are fed at once), each (B, H_kv, T), averaged over the query heads of a group,
-    in float32.
+    in float32; and "query_column_sums" (B, H_q, T), the column sums of every query head, not averaged.
     """
-    if key_bias is None and use_triton("ragged_attention", query):  # the Triton twin takes no bias yet
+    if key_bias is None and not want_query_column_sums and use_triton("ragged_attention", query):
+        # the Triton twin takes no bias and gives no per-query-head sums yet
         from kvbench.kernels import triton_attention
 
         return triton_attention.ragged_attention(
@@ -82,6 +84,7 @@ def ragged_attention(
     out = None if values is None else query.new_empty(B, Hq, Q, values.shape[-1])
     col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums or want_step else None
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
+    qcol = query.new_zeros(B, Hq, T, dtype=torch.float32) if want_query_column_sums else None
     k_rep = keys.float().repeat_interleave(group, dim=1)
     bias = None if key_bias is None else key_bias.float().repeat_interleave(group, dim=1)[:, :, None, :T]
     v_rep = None if values is None else values.float().repeat_interleave(group, dim=1)
@@ -91,6 +94,8 @@ def ragged_attention(
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # fully masked (padding) queries -> 0
         if out is not None:
             out[:, :, start:stop] = torch.matmul(probs, v_rep).to(out.dtype)
+        if qcol is not None:
+            qcol += probs.sum(2)
         grouped = probs.view(B, Hkv, group, stop - start, T).mean(2)  # (B, Hkv, c, T)
         if col is not None:
             col += grouped.sum(2)
@@ -103,4 +108,6 @@ def ragged_attention(
         stats["step_attention"] = col
     if win is not None:
         stats["window_column_sums"] = win
+    if qcol is not None:
+        stats["query_column_sums"] = qcol
     return out, stats

@@ -4,28 +4,44 @@ A preliminary eviction policy picks the tokens to evict; instead of dropping the
 *value* of each to-be-evicted token into the values of the tokens that stay. Keys of evicted tokens are
 dropped. Applied after the prompt and at every decode step (one eviction per new token).
 
-Rule (methods.md 6.5; WeightedKV §II; the authors' StreamingLLM code ``kv_cache_cam.py``):
+Rule (methods.md 6.5; WeightedKV §II; the authors' code, github.com/zyxxmu/cam: the StreamingLLM-based
+``generate_task/streaming_llm/kv_cache_cam.py``, which processes a prompt token by token like a generation):
 - eviction: StreamingLLM, 4 sinks + recent window (as Chelsea and EMS run CaM, "consistent with the original
   paper"); ``eviction="h2o"`` switches to H2O (accumulated attention, half heavy / half recent, sinks taken
   from the heavy share).
-- merge targets of an evicted token e: the next ``merge_tokens`` (n) *kept* tokens after e, in order.
+- one merge per evicted token: when e leaves, its value is added to the next ``merge_tokens`` (n) slots of
+  the cache at that moment, the slots right after it, each receiving m_e * x_e / n (the constant factor 1/n
+  of WeightedKV's description; the code's ``merge_num = 16``); x_e is e's value including what earlier
+  evictions added to it, so value mass moves forward token by token (as the code's in-place ``+=`` does).
 - merge probability p_e = min(1, a_e / mean_{t in targets} a_t), a = accumulated attention (prompt column
-  sums, then + each decode query's attention). The authors' code uses the accumulated attention too.
+  sums, then + each decode query's attention), as the code's ``accum_attn``.
 - merge mask m_e ~ Bernoulli(p_e) from a generator seeded by (seed, layer, current token index), so a
   compression is a pure function of its inputs; ``deterministic=True`` uses the expectation m_e = p_e.
-- every target gets v_t += m_e * v_e / n (the constant factor 1/n of WeightedKV's description).
+
+Prefill: evict as the policy does (StreamingLLM: every slot between the sinks and the recent window), then
+merge the evicted tokens one at a time in positional order (oldest first), as the authors' code does when it
+feeds a prompt: each into the n slots after it, including slots evicted later, which carry the mass on.
+Decode: one eviction and one merge per generated token (``decode_interval=1``); a pass that evicts several
+tokens merges them in the same order.
 
 Interpretations:
-- [I] At prefill all evicted tokens merge at once into the next n kept tokens; with StreamingLLM eviction
-  they all land on the first n recent tokens. (The token-by-token streaming version would cascade merges
-  through tokens that are evicted later; one-shot prefill compression has no such order.)
-- [I] When fewer than n kept tokens follow e, only those receive v_e / n (the rest of its mass is lost), and
-  p_e uses the mean over those that exist.
-- [I] A target whose mean accumulated attention is 0 gives p_e = 1 if a_e > 0, else 0 (the code maps 0/0 to 0).
+- [I] The prompt is encoded in one pass with full attention, so a is the prompt's column sums over all its
+  queries; the authors' streaming code accumulates, at the time e leaves, the attention of the queries so
+  far, each over the streaming cache. The authors' other prompt path (``cam_hf/utils_lm_eval``, a masked
+  simulation) spreads over the whole recent window and divides by the largest score among sinks and window;
+  its generation path (``cam_hf/utils_hh``) does not merge the prompt at all. kvbench follows the
+  StreamingLLM code, the one that keeps a real compressed cache.
+- [I] H2O eviction: the evicted set is chosen at once; merging still runs oldest first into the next n slots.
+- [I] When fewer than n slots follow e, only those receive m_e x_e / n (the rest of its mass is lost, as the
+  code's slice ``start:start+merge_num`` is cut at the cache end), and p_e uses the mean over those that exist.
+- [I] A target window whose mean accumulated attention is 0 gives p_e = 1 if a_e > 0, else 0 (the code maps
+  0/0 to 0).
 - [I] Per key/value head: attention of the query heads of a GQA group is averaged by the engine.
 
-Cost per compression of a row of T slots (K kept, E evicted, head dim d): selection O(T log T), merge
-O((T + K) d) (one scatter of evicted values by target start, then a length-n window sum over kept slots).
+Cost per compression of a row of T slots (E evicted, head dim d, n targets): selection O(T log T); the
+cascade x_e = v_e + sum over evicted j in [e - n, e) of m_j x_j / n is a banded triangular system over the
+evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d) (a decode step: E = 1);
+the window scores O(n T) and spreading onto the kept slots O(n T d), at every call.
 """
 
 from __future__ import annotations
@@ -34,11 +50,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.merge import scatter_merge
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
@@ -51,7 +65,7 @@ EVICTIONS = ("streamingllm", "h2o")
 
 @dataclass
 class CaM(Method):
-    """sinks: first tokens never evicted. merge_tokens: n, the kept tokens after an evicted one that share its
+    """sinks: first tokens never evicted. merge_tokens: n, the slots after an evicted one that share its
     value. eviction: the preliminary policy. heavy_ratio: H2O's heavy share (eviction="h2o" only).
     seed: Bernoulli mask seed. deterministic: use the merge probability itself instead of a sampled mask."""
 
@@ -89,17 +103,12 @@ class CaM(Method):
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
-        # Kept slots before e = compact index of the first kept slot after e = start of e's targets.
-        first_target = kept.long().cumsum(-1)
-        mask = self._merge_mask(layer, kv, attention, index, lengths, first_target, evicted)
-        K = index.shape[-1]
-        target = torch.where(mask > 0, first_target, torch.full_like(first_target, -1))
-        # Value mass starting at each kept slot, then a sliding sum over n slots spreads it to slots k..k+n-1.
-        starts = scatter_merge(kv.values.float(), target, mask / self.merge_tokens, K)  # (B, H, K, D)
-        window = starts.cumsum(2)
-        window[:, :, self.merge_tokens:] -= window[:, :, :-self.merge_tokens].clone()
+        share = self._merge_mask(layer, kv, attention, evicted) / self.merge_tokens  # m_e / n, (B, H, T)
+        carried = evicted_values(kv.values.float(), share, evicted, self.merge_tokens)  # x_e, (B, H, T, D)
+        received = window_sum(carried * share.unsqueeze(-1), self.merge_tokens)
         out = kv.gather(index, lengths)
-        out.values = (out.values.float() + window).to(kv.values.dtype)
+        out.values = (out.values.float() + received.gather(2, index.unsqueeze(-1).expand_as(out.values))).to(
+            kv.values.dtype)
         out.zero_padding()
         return out
 
@@ -112,17 +121,16 @@ class CaM(Method):
         sinks, recent = heavy.clamp(max=self.sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
         return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent)
 
-    def _merge_mask(self, layer: int, kv: LayerKV, attention: Tensor, index: Tensor, lengths: Tensor,
-                    first_target: Tensor, evicted: Tensor) -> Tensor:
+    def _merge_mask(self, layer: int, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
         """(B, H, T) float: m_e (0/1 sample or probability) on evicted slots that have a target, 0 elsewhere."""
-        K = index.shape[-1]
-        in_row = torch.arange(K, device=index.device).view(1, 1, -1) < lengths.unsqueeze(-1)
-        kept_attention = torch.where(in_row, attention.gather(2, index), 0.0)
-        prefix = F.pad(kept_attention.cumsum(-1), (1, 0))  # (B, H, K + 1)
-        start = first_target.clamp(max=K)
-        stop = torch.minimum(first_target + self.merge_tokens, lengths.unsqueeze(-1)).clamp(min=start)
-        count = stop - start
-        mean = (prefix.gather(2, stop) - prefix.gather(2, start)) / count.clamp(min=1)
+        n = self.merge_tokens
+        slots = torch.arange(kv.capacity, device=attention.device).view(1, 1, -1)
+        count = (kv.lengths.unsqueeze(-1) - 1 - slots).clamp(min=0, max=n)  # real slots among the next n
+        total = torch.zeros_like(attention)
+        real = torch.where(kv.valid(), attention, 0.0)
+        for offset in range(1, min(n, kv.capacity - 1) + 1):
+            total[..., :-offset] += real[..., offset:]
+        mean = total / count.clamp(min=1)
         ratio = torch.where(mean > 0, attention / mean.clamp(min=torch.finfo(torch.float32).tiny),
                             (attention > 0).float())
         prob = torch.where(evicted & (count > 0), ratio.clamp(0, 1), 0.0)
@@ -136,3 +144,46 @@ class CaM(Method):
         """Seed of one compression: the run's seed, the layer and the newest token index (the decode step)."""
         step = int(kv.positions.max()) if kv.positions.numel() else 0
         return (self.seed * 1_000_003 + layer * 10_007 + step) % (2**63)
+
+
+CASCADE_BLOCK = 256  # evicted slots per triangular solve in ``evicted_values``
+
+
+def window_sum(x: Tensor, n: int) -> Tensor:
+    """(B, H, T, D) -> out[..., k, :] = sum of x[..., k - n : k, :] (the n slots before k), exactly (no
+    cumulative sums, which lose precision on long rows)."""
+    out = torch.zeros_like(x)
+    for offset in range(1, min(n, x.shape[2] - 1) + 1):
+        out[:, :, offset:] += x[:, :, :-offset]
+    return out
+
+
+def evicted_values(values: Tensor, share: Tensor, evicted: Tensor, n: int) -> Tensor:
+    """(B, H, T, D) float32: x_e = v_e + sum over evicted j in [e - n, e) of share_j x_j on evicted slots e
+    (what e holds when it leaves, oldest first), 0 elsewhere.
+
+    The evicted slots of a row, compacted in order, form a unit lower-triangular system of bandwidth <= n
+    (slot distance <= n implies compact distance <= n); it is solved in blocks of ``CASCADE_BLOCK`` rows, each
+    block taking the previous block's last n solutions as known terms."""
+    B, H, T, D = values.shape
+    count = evicted.sum(-1)
+    E = int(count.max()) if count.numel() else 0
+    out = torch.zeros_like(values)
+    if E == 0:
+        return out
+    order = (~evicted).to(torch.int8).argsort(dim=-1, stable=True)[..., :E]  # evicted slots, in order
+    real = torch.arange(E, device=values.device).view(1, 1, -1) < count.unsqueeze(-1)
+    slot = torch.where(real, order, -2 * (n + 1) * E)  # padding entries: far from every real one, no coupling
+    c = torch.where(real, share.gather(2, order), 0.0)
+    v = torch.where(real.unsqueeze(-1), values.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, D)), 0.0)
+    x = torch.empty_like(v)
+    size = max(CASCADE_BLOCK, n)
+    for start in range(0, E, size):
+        stop, known = min(E, start + size), max(0, start - n)
+        gap = slot[..., start:stop, None] - slot[..., None, known:stop]  # (B, H, rows, cols)
+        coupling = ((gap >= 1) & (gap <= n)) * c[..., None, known:stop]
+        rhs = v[..., start:stop, :] + coupling[..., :start - known] @ x[..., known:start, :]
+        eye = torch.eye(stop - start, device=values.device)
+        x[..., start:stop, :] = torch.linalg.solve_triangular(eye - coupling[..., start - known:], rhs, upper=False,
+                                                              unitriangular=True)
+    return out.scatter_(2, order.unsqueeze(-1).expand(-1, -1, -1, D), torch.where(real.unsqueeze(-1), x, 0.0))

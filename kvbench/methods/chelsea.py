@@ -23,8 +23,13 @@ Readings (methods.md §5.c/5.g), flagged [I]:
   decode re-clustering); tokens appended in between get 0 = log 1. With it, a centroid of n identical keys
   takes exactly the attention its n tokens would. ``degree_bias=false`` keeps the degree for merging only.
 - Compression-ratio schedule: r_t = max(r0 - r_decay * min(t, r_steps), r_min), t = step index within one
-  compression call; the defaults (r_decay=0) give the constant ratio r0 the paper uses for NIAH. The paper's
-  per-model constants are lost.
+  compression call; the defaults (r0=0.5, r_decay=0, r_steps=0) give the constant ratio the paper uses for
+  NIAH. The paper's per-model constants are lost. With r = 0.5 the floor(r * region) kept edges are all the
+  edges (one per A slot, half the region): every A slot merges into its best B slot on every step but the
+  last, which stops at the budget, so similarity decides only *where* a slot merges, never *whether*.
+- [P] The paper's LongBench tables use 4% outlier heads (38.97 with vs 36.46 without);
+  ``conf/experiment/chelsea_longbench.yaml`` calibrates them per model before the chelsea runs
+  (``chelsea_calibrate.CalibrateOutlierHeads``).
 - If a budget cannot hold sinks + recent + 1 slots, the windows shrink for that row (recent first kept,
   then sinks), so the budget always holds.
 - Outlier heads (``outlier_heads_file``, written by ``python -m kvbench.methods.chelsea_calibrate``) keep a

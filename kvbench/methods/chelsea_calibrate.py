@@ -10,8 +10,14 @@ scores each head by the fraction of its A tokens left without an edge, averaged 
 
 Keys (all optional but model): model, text, out, outlier_ratio (0.04), calibration_threshold (0.5 [I]: the
 paper's value is lost), sequence_length (4096), num_sequences (8), chunk_size / sinks / recent (Chelsea's
-defaults), device, dtype. Writes JSON {"num_layers", "num_key_value_heads", "outlier_heads": [[layer,
-kv_head], ...], "scores", ...} for ``method.outlier_heads_file``.
+defaults), device, dtype. ``text=hub`` reads WikiText-2 (raw, test split) from the Hugging Face hub. Writes
+JSON {"num_layers", "num_key_value_heads", "outlier_heads": [[layer, kv_head], ...], "scores", ...} for
+``method.outlier_heads_file``.
+
+As a step of an experiment (``conf/experiment/chelsea_longbench.yaml``): the Hydra callback
+``CalibrateOutlierHeads`` runs this calibration in a chelsea job, before the run, when the job's
+``method.outlier_heads_file`` does not exist yet, on the job's own model config and with the job's
+sinks / recent / chunk size; later jobs of the same model reuse the file.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench import models
 from kvbench.budget import Budget
@@ -32,11 +39,14 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.methods.chelsea import Chelsea
 from kvbench.methods.full import Full
+from kvbench.tasks.sources import DataRef, load_records
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 DEFAULTS = {"model": None, "text": None, "out": "chelsea_outlier_heads.json", "outlier_ratio": 0.04,
             "calibration_threshold": 0.5, "sequence_length": 4096, "num_sequences": 8, "chunk_size": 256,
             "sinks": 16, "recent": 64, "device": None, "dtype": None}
+WIKITEXT2 = DataRef("Salesforce/wikitext", "wikitext-2-raw-v1", "test", files=("wikitext-2-raw-v1/test.jsonl",),
+                    hub_file="wikitext-2-raw-v1/test-00000-of-00001.parquet")
 
 
 def generated_text(num_paragraphs: int = 400, seed: int = 0) -> str:
@@ -74,17 +84,29 @@ def edgeless_fraction(keys: torch.Tensor, threshold: float, chunk_size: int | No
     return 1 - kept.sum(-1).float() / max(int(is_a.sum()), 1)
 
 
+def calibration_text(text: str | None) -> str:
+    """``text``: a local file, "hub" (WikiText-2 raw test split from the hub, the paper's calibration set) or
+    None (the generated stand-in)."""
+    if text is None:
+        return generated_text()
+    if text == "hub":
+        records, _ = load_records(WIKITEXT2, "hub", None, None, Path())
+        return "".join(r["text"] for r in records)
+    return Path(text).read_text()
+
+
 def calibrate(cfg) -> dict:
     """Score every KV head and pick the outliers; returns the JSON-ready result."""
     if not 0 <= cfg.outlier_ratio <= 1:
         raise ConfigError(f"outlier_ratio={cfg.outlier_ratio} must be in [0, 1]")
-    model_cfg = OmegaConf.load(CONF / "model" / f"{cfg.model}.yaml")
+    model_cfg = (OmegaConf.load(CONF / "model" / f"{cfg.model}.yaml") if isinstance(cfg.model, str)
+                 else OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)))  # a model config node
     for key in ("device", "dtype"):
         if cfg[key] is not None:
             model_cfg[key] = cfg[key]
     lm = models.load(model_cfg)
     Chelsea(sinks=cfg.sinks, recent=cfg.recent, chunk_size=cfg.chunk_size)  # validates the shared values
-    text = Path(cfg.text).read_text() if cfg.text else generated_text()
+    text = calibration_text(cfg.text)
     ids = lm.encode(text)
     length = min(int(cfg.sequence_length), lm.max_length)
     windows = [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)][: int(cfg.num_sequences)]
@@ -106,6 +128,37 @@ def calibrate(cfg) -> dict:
             "text": str(cfg.text) if cfg.text else "generated", "num_sequences": len(windows),
             "sequence_length": length, "chunk_size": cfg.chunk_size, "sinks": cfg.sinks, "recent": cfg.recent,
             "scores": [[round(float(x), 6) for x in row] for row in scores]}
+
+
+class CalibrateOutlierHeads(Callback):
+    """Hydra callback: before a chelsea job, calibrate its model's outlier heads into the job's
+    ``method.outlier_heads_file`` unless that file exists. ``settings``: calibration keys of ``DEFAULTS``
+    (text, outlier_ratio, calibration_threshold, sequence_length, num_sequences, device, dtype)."""
+
+    def __init__(self, **settings) -> None:
+        shared = {"model", "out", "chunk_size", "sinks", "recent"}  # taken from the job
+        unknown = set(settings) - (set(DEFAULTS) - shared)
+        if unknown:
+            raise ConfigError(f"chelsea calibration callback: unknown settings {sorted(unknown)}; accepted: "
+                              f"{sorted(set(DEFAULTS) - shared)}")
+        self.settings = settings
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        method = config.method
+        if not str(method.get("_target_", "")).endswith(".Chelsea") or method.get("outlier_heads_file") is None:
+            return
+        out = Path(method.outlier_heads_file)
+        if out.is_file():
+            return
+        cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.create(self.settings))
+        cfg.model = OmegaConf.to_container(config.model, resolve=True)  # resolved inside the job's config
+        cfg.out = str(out)
+        cfg.chunk_size, cfg.sinks, cfg.recent = method.chunk_size, method.sinks, method.recent
+        result = calibrate(cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(f".{out.name}.partial")
+        partial.write_text(json.dumps(result, indent=1))
+        partial.replace(out)  # atomic: a job never reads half a file
 
 
 def main(argv: list[str]) -> None:

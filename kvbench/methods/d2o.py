@@ -1,16 +1,35 @@
 """D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025). methods.md §3; the paper text lost its
 equations, so formulas are reconstructed from its prose and, where marked [C], the authors' code.
 
-Layer level (once, from the prompt attention), ``layer_budgets``:
-- D_l = variance over slots of the prompt column sums, per head, min-max normalised across the heads of the
-  layer and averaged over heads [C]; lambda = softmax_l(-D_l) ("inverse variance softmax"; alternatives
-  ``allocation``: reciprocal_variance lambda ~ 1 / mean_h var, uniform) [P names, Table 4].
+Layer level (once, from the prompt attention), ``layer_budgets``, as the authors' code computes it [C]
+(``modeling_llama3_7b_13b_d2o.py`` + ``modeling_llama3_new.py``):
+- per *query* head h (the code repeats the KV heads to the query heads before attention, so a GQA group's
+  heads are not averaged): c_h = the prompt column sums of h (statistic ``query_column_sums``), var_h = their
+  variance over the prompt's slots (unbiased, ``torch.var``);
+- min-max normalised across the query heads of the layer, (var_h - min) / (max - min + 1e-6), and averaged
+  over heads: D_l in [0, 1]; lambda = softmax_l(-D_l) ("inverse variance softmax"; alternatives
+  ``allocation``: reciprocal_variance lambda ~ 1 / mean_h var_h, uniform) [P names, Table 4].
 - S_l = lambda_l * L * n_keep (alpha, the compression ratio, is the run's budget: n_keep = alpha * prompt),
-  each clamped to [0.01, 1] * prompt [C] and rounded so that sum_l S_l = L * n_keep exactly.
+  each clamped to [0.01, 1] * prompt [C] and rounded so that sum_l S_l = L * n_keep exactly (the code only
+  clamps, so its total drifts).
 - ``protect_layers``: layers kept at the full prompt length (the code keeps 0, 1 and L-1 uncompressed); they
   count inside the total, so the other layers share L * n_keep - |protected| * prompt.
+What the code does differently from the prose (the prose: denser layers, i.e. smaller attention variance,
+get more cache): the per-layer min-max normalisation makes D_l scale-free. It measures where a layer's heads
+sit between its own least and most varied head, not how large the layer's variance is, so higher variance
+means a smaller budget only when it is spread over more of the layer's heads (a layer with one sink head
+among uniform ones gets more than a layer where most heads are sinks; but a layer whose heads all have equal
+high variance gets D_l = 0, the largest budget). Also the code averages the variance over the batch
+(kvbench: per sample [I]) and computes it over padded rows (kvbench: the real slots).
+Peak memory: the layer budgets need every layer's prompt statistics before any layer is compressed, so the
+engine holds the whole uncompressed prompt cache until the prompt pass ends, plus per layer the column sums
+(B, H_kv, T) and the per-query-head column sums (B, H_q, T) in float32 (no second copy of the cache). For
+the same reason D2O refuses chunked prefill (``engine.prefill_chunk_size``) [I].
 Token level (prefill and every decode step), ``compress``:
 - keep n_sinks sinks + M recent + top-N accumulated attention (sinks inside N, [C]), N:M = n_heavy:n_recent;
+  the recent share of a layer budget S_l is floor(S_l * M / (N + M)), as the code floors it
+  (``int(S * layer_recent_ratio)``), and the heavy share takes the rest [I] (the code floors it too and can
+  keep one slot less than S_l);
 - every evicted e finds its most similar kept c by key cosine (post-RoPE keys, [C]): u_e = max_c cos(k_e, k_c);
 - EMA threshold: tau = mean_e u_e at the first compression, then tau = beta * mean_e u_e + (1 - beta) * tau_prev;
   e merges iff u_e >= tau (this step's tau), else it is discarded [P Eq. 10];
@@ -65,10 +84,10 @@ class D2O(Method):
     threshold_scope, merge_rule: see the module docstring."""
 
     name: ClassVar[str] = "d2o"
-    needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
+    needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "query_column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
-    budget_needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})  # every layer's, before any compression
+    budget_needs: ClassVar[frozenset[str]] = frozenset({"query_column_sums"})  # every layer's, before any compression
 
     beta: float = 0.7
     n_heavy: int = 3
@@ -96,21 +115,24 @@ class D2O(Method):
     # -- layer level ---------------------------------------------------------------------------------
 
     def layer_weights(self, prefill_stats: list[AttentionStats]) -> Tensor:
-        """(L, B) unnormalised allocation weights lambda from each layer's prompt column sums (B, H, T)."""
+        """(L, B) unnormalised allocation weights lambda from each layer's per-query-head prompt column sums
+        (B, H_q, T), as the authors' code computes them (module docstring)."""
         if self.allocation == "uniform":
-            return torch.ones(len(prefill_stats), prefill_stats[0].column_sums.shape[0], dtype=torch.float64)
+            return torch.ones(len(prefill_stats), prefill_stats[0].num_queries.shape[0], dtype=torch.float64)
         variances = []
         for stats in prefill_stats:
-            col = stats.column_sums.double()
+            col = stats.query_column_sums.double()
             slots = torch.arange(col.shape[-1], device=col.device).view(1, 1, -1)
             real = slots < stats.num_queries.to(col.device).view(-1, 1, 1)
-            mean = (col * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp(min=1)
-            variances.append((((col - mean) ** 2) * real).sum(-1) / real.sum(-1).clamp(min=1))  # (B, H)
-        var = torch.stack(variances).cpu()  # (L, B, H)
+            count = real.sum(-1)  # (B, H_q)
+            mean = (col * real).sum(-1) / count.clamp(min=1)
+            squares = ((col - mean.unsqueeze(-1)) ** 2 * real).sum(-1)
+            variances.append(squares / (count - 1).clamp(min=1))  # unbiased, as torch.var in the code
+        var = torch.stack(variances).cpu()  # (L, B, H_q)
         if self.allocation == "reciprocal_variance":
             return 1.0 / var.mean(-1).clamp(min=1e-12)
         low, high = var.amin(-1, keepdim=True), var.amax(-1, keepdim=True)
-        density = ((var - low) / (high - low).clamp(min=1e-12)).mean(-1)  # D_l in [0, 1], (L, B)
+        density = ((var - low) / (high - low + 1e-6)).mean(-1)  # D_l in [0, 1], (L, B); 1e-6 as the code
         return torch.softmax(-density, dim=0)
 
     def layer_budgets(
@@ -148,7 +170,7 @@ class D2O(Method):
         if phase == "prefill":
             kv.state[ATTENTION] = stats.column_sums.float().clone()
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        recent = torch.round(keep.double() * self.n_recent / (self.n_heavy + self.n_recent)).long()
+        recent = torch.div(keep * self.n_recent, self.n_heavy + self.n_recent, rounding_mode="floor")
         sinks = (keep - recent).clamp(max=self.n_sinks)
         index, lengths = keep_topk(kv.state[ATTENTION], keep, kv.lengths,
                                    sinks=sinks.unsqueeze(-1), recent=recent.unsqueeze(-1))

@@ -5,6 +5,17 @@ Score of a token: its accumulated attention ``a_j = sum over queries i so far of
 KVMerger, EMS and D2O describe it so). Keep the heavy hitters (top ``a_j``) plus a recent window and evict
 the rest, after the prompt and at every decode step, one eviction per new token [std; EMS].
 
+Score convention, ``normalize``:
+- ``sum`` (default): the accumulated attention itself. This is what the H2O paper uses (its greedy
+  eviction ranks tokens by the sum of the attention they received; its code sums the prompt attention over
+  queries and adds each decode query's) and what KVMerger, EMS and D2O describe.
+- ``mean_over_observers``: the accumulated attention divided by the number of queries that could see the
+  token (prompt: ``length - slot`` causal queries; each later pass adds its queries, q for a pass of q
+  tokens, state "observations"). Another common implementation (NVIDIA kvpress's ObservedAttentionPress)
+  scores so, averages over the GQA group as here, keeps no recent window and compresses the prompt only:
+  ``normalize=mean_over_observers heavy_ratio=1 compress_during_decode=false`` reproduces it. It removes the
+  causal advantage of early tokens (a token near the end of the prompt is seen by few queries).
+
 Interpretations:
 - [std] Split of the per-head budget: ``heavy_ratio`` = 0.5 heavy hitters, the rest recent tokens.
   D2O's own H2O variant uses 3:1 plus sinks (heavy_ratio=0.75, sinks=4).
@@ -24,16 +35,21 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvbench.errors import ConfigError
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep
+from kvbench.methods.base import (Method, check_count, check_unit_interval, pass_observers, per_sample_n_keep,
+                                  prompt_observers)
 
-SCORE = "score"
+SCORE = "score"  # accumulated attention
+OBSERVED = "observations"  # queries that could see the slot (normalize="mean_over_observers" only)
+NORMALIZATIONS = ("sum", "mean_over_observers")
 
 
 @dataclass
 class H2O(Method):
-    """heavy_ratio: share of the budget for heavy hitters (the rest: recent window). sinks: protected first tokens."""
+    """heavy_ratio: share of the budget for heavy hitters (the rest: recent window). sinks: protected first tokens.
+    normalize: score = accumulated attention ("sum", the paper) or its mean over the queries that saw the token."""
 
     name: ClassVar[str] = "h2o"
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
@@ -43,23 +59,34 @@ class H2O(Method):
 
     heavy_ratio: float = 0.5
     sinks: int = 0
+    normalize: str = "sum"
     compress_during_decode: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_unit_interval(self.name, heavy_ratio=self.heavy_ratio)
         check_count(self.name, 0, sinks=self.sinks)
+        if self.normalize not in NORMALIZATIONS:
+            raise ConfigError(
+                f"{self.name}: unknown normalize '{self.normalize}'; accepted: {', '.join(NORMALIZATIONS)}")
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """Accumulate the newest query's attention into the per-slot score."""
+        """Accumulate the newest query's attention into the per-slot score (and count its observers)."""
         kv.accumulate(SCORE, stats.step_attention)  # summed over the pass's queries
+        if self.normalize == "mean_over_observers":
+            kv.accumulate(OBSERVED, pass_observers(kv, stats))
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
             kv.state[SCORE] = stats.column_sums.float().clone()
+            if self.normalize == "mean_over_observers":
+                kv.state[OBSERVED] = prompt_observers(kv)
+        score = kv.state[SCORE]
+        if self.normalize == "mean_over_observers":
+            score = score / kv.state[OBSERVED].clamp(min=1)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         sinks, recent = self.protected_counts(keep)
-        index, lengths = keep_topk(kv.state[SCORE], keep, kv.lengths, sinks=sinks, recent=recent)
+        index, lengths = keep_topk(score, keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
 
     def protected_counts(self, keep: Tensor) -> tuple[Tensor, Tensor]:

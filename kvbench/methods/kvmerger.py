@@ -23,14 +23,23 @@ Readings where the paper is ambiguous (methods.md §1.g), each a config switch:
   (ToMe-style proportional attention, per-slot ``state["logit_bias"]``), so the set takes |S| softmax shares
   instead of one share with an |S|-times value.
 - a_j is read as the column sum of the prompt attention (Algorithm 2 writes a row sum, identically 1).
-- recent_ratio / heavy_ratio are fractions (the paper's "0.17%" etc.). Defaults are the paper's 50%-budget
-  setting (0.17 / 0.12); its 35% setting is recent_ratio=0.08 heavy_ratio=0.02.
+- recent_ratio / heavy_ratio are fractions (the paper's "0.17%" etc.) and, as in the paper, they follow the
+  budget: 50% -> 0.17 / 0.12, 35% -> 0.08 / 0.02 (§5.1). ``null`` (default) derives them from the run's
+  budget b = n_keep / prompt length of each row (``budget_ratios``); numbers fix them for every budget.
+- [I] Budgets other than the paper's two: linear between 35% and 50%, the same line continued above 50%
+  (1.0 -> 0.47 / 0.45, protecting 92% of the prompt), and below 35% the 35% setting scaled with the budget
+  (0.2 -> 0.046 / 0.011: a small recent window and the top heavy hitters, attention sinks among them, stay
+  protected). The paper gives no third point. Since b comes from the integer n_keep, a protected count can
+  differ by one slot from ceil(ratio * n) at the exact label.
 
-Budget rule: threshold-driven, as in the paper. The realized per-head size is whatever the protected set
-plus the merging leaves; the engine's ``n_keep`` is informational and the realized size is reported
-(``kept_per_layer_head``, ``kept_fraction``). With ``enforce_budget=true`` (a deviation) rows still above
-``n_keep`` after merging drop their lowest-score slots: protected slots outrank merged/unprotected ones, and
-within a tier the higher score wins; a merged slot's score is the summed attention of its set.
+Budget rule: threshold-driven, as in the paper: the budget sets the protected share, the cosine threshold
+sets how much of the rest merges, and the realized per-head size is whatever both leave. It is reported
+beside the budget label everywhere (``kept_per_layer_head``, ``kept_fraction`` in the rows; the report's
+"Kept" column and plot labels): at epsilon 0.75 merging keeps roughly 0.3 of the unprotected slots
+(methods.md §1.e), so a budget under about 0.3 is not reached. With ``enforce_budget=true`` (a deviation)
+rows still above ``n_keep`` after merging drop their lowest-score slots: protected slots outrank
+merged/unprotected ones, and within a tier the higher score wins; a merged slot's score is the summed
+attention of its set.
 
 Cost: needs the prompt's column sums (the engine's O(n^2) attention pass, chunked). The compression itself is
 O(n d) for the n-1 adjacent cosines and the merge, O(n log n) for the heavy-hitter ranking; one shot per
@@ -54,21 +63,24 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval
 
 GROUPINGS = ("chain", "anchor")
+# budget -> (recent_ratio, heavy_ratio): the paper's two settings (§5.1) and the readings around them [I]
+# (module docstring): 0 at budget 0, the 35% setting scaled below it, linear through 35% and 50% and beyond.
+PAPER_RATIOS = ((0.0, 0.0, 0.0), (0.35, 0.08, 0.02), (0.5, 0.17, 0.12), (1.0, 0.47, 0.12 + 0.5 * 0.10 / 0.15))
 VALUE_SCALINGS = ("set_size", "none", "proportional")
 
 
 @dataclass
 class KVMerger(Method):
-    """epsilon: key cosine threshold; recent_ratio, heavy_ratio: protected fractions of the prompt;
-    sigma: "adaptive" or a fixed Gaussian width; grouping, value_scaling, enforce_budget: see module doc."""
+    """epsilon: key cosine threshold; recent_ratio, heavy_ratio: protected fractions of the prompt (null: from
+    the budget, as the paper ties them); sigma: "adaptive" or a fixed Gaussian width; grouping, value_scaling, enforce_budget: see module doc."""
 
     name: ClassVar[str] = "kvmerger"
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill"})
 
     epsilon: float = 0.75
-    recent_ratio: float = 0.17
-    heavy_ratio: float = 0.12
+    recent_ratio: float | None = None
+    heavy_ratio: float | None = None
     sigma: float | str = "adaptive"
     grouping: str = "chain"
     value_scaling: str = "set_size"
@@ -76,7 +88,8 @@ class KVMerger(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_unit_interval(self.name, recent_ratio=self.recent_ratio, heavy_ratio=self.heavy_ratio)
+        fixed = {"recent_ratio": self.recent_ratio, "heavy_ratio": self.heavy_ratio}
+        check_unit_interval(self.name, **{key: value for key, value in fixed.items() if value is not None})
         if not -1 <= self.epsilon <= 1:
             raise ConfigError(f"{self.name}: epsilon={self.epsilon} must be a cosine in [-1, 1]")
         if self.sigma != "adaptive" and (isinstance(self.sigma, (str, bool)) or not self.sigma > 0):
@@ -94,7 +107,7 @@ class KVMerger(Method):
         t = min(stats.column_sums.shape[-1], kv.capacity)  # statistics cover slots [0, t)
         score[..., :t] = stats.column_sums[..., :t].float()
         score = score.masked_fill(~valid, 0)
-        protected = self.protected(score, kv.lengths, valid)
+        protected = self.protected(score, kv.lengths, valid, self.ratios(n_keep, kv.lengths))
         groups = self.merging_sets(kv, valid & ~protected)  # (B, H, T) set id, -1 on padding
         num_sets = groups.amax(-1) + 1  # (B, H)
         G = int(num_sets.max())
@@ -111,11 +124,25 @@ class KVMerger(Method):
             merged = self.evict_to_budget(merged, score, protected, groups, pivot, n_keep)
         return merged
 
-    def protected(self, score: Tensor, lengths: Tensor, valid: Tensor) -> Tensor:
-        """(B, H, T) bool: recent window + heavy hitters (top column sums outside the window)."""
+    def ratios(self, n_keep: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """(recent_ratio, heavy_ratio), each (B, H) float64: the configured numbers, or where null the paper's
+        setting for each row's budget b = n_keep / prompt length (``budget_ratios``)."""
+        budget = n_keep.to(lengths).view(-1, 1).double() / lengths.double().clamp(min=1)
+        recent, heavy = budget_ratios(budget)
+        if self.recent_ratio is not None:
+            recent = torch.full_like(budget, self.recent_ratio)
+        if self.heavy_ratio is not None:
+            heavy = torch.full_like(budget, self.heavy_ratio)
+        return recent, heavy
+
+    def protected(self, score: Tensor, lengths: Tensor, valid: Tensor,
+                  ratios: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """(B, H, T) bool: recent window + heavy hitters (top column sums outside the window). ``ratios``:
+        per-row (recent, heavy) fractions (``ratios``); default the configured numbers."""
+        recent_ratio, heavy_ratio = ratios if ratios is not None else (self.recent_ratio, self.heavy_ratio)
         # ceil(ratio * n); the small tolerance stops float error (0.17 * 100 = 17.000000000000004) adding one.
-        n_recent = torch.ceil(self.recent_ratio * lengths.double() - 1e-9).long()
-        n_heavy = torch.ceil(self.heavy_ratio * lengths.double() - 1e-9).long()
+        n_recent = torch.ceil(recent_ratio * lengths.double() - 1e-9).long()
+        n_heavy = torch.ceil(heavy_ratio * lengths.double() - 1e-9).long()
         slots = torch.arange(score.shape[-1], device=score.device).view(1, 1, -1)
         recent = valid & (slots >= (lengths - n_recent).unsqueeze(-1))
         candidates = score.masked_fill(~valid | recent, -float("inf"))
@@ -173,3 +200,16 @@ class KVMerger(Method):
         lengths = keep.sum(-1)
         order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., : int(lengths.max())]
         return merged.gather(order, lengths)
+
+
+def budget_ratios(budget: Tensor) -> tuple[Tensor, Tensor]:
+    """Budget fractions (any shape) -> (recent_ratio, heavy_ratio), piecewise linear through ``PAPER_RATIOS``
+    (budgets above 1 read as 1)."""
+    b = budget.double().clamp(0, 1)
+    recent, heavy = torch.zeros_like(b), torch.zeros_like(b)
+    for (b0, r0, h0), (b1, r1, h1) in zip(PAPER_RATIOS, PAPER_RATIOS[1:]):
+        inside = (b >= b0) & (b <= b1)
+        t = (b - b0) / (b1 - b0)
+        recent = torch.where(inside, r0 + t * (r1 - r0), recent)
+        heavy = torch.where(inside, h0 + t * (h1 - h0), heavy)
+    return recent, heavy

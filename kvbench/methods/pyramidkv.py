@@ -15,6 +15,9 @@ Interpretations:
   layer also keeps its window, so each layer gets at least ``window`` slots.
 - [std] As in PyramidKV's code, a bottom layer that would exceed the prompt is capped at the prompt length
   and the top layer takes the difference, so the total stays the same.
+- [I, from PyramidKV's code] When the prompt is shorter than twice the budget beyond the window
+  (``q_len < 2 * (n_keep - window)``), the code gives up the pyramid and every layer keeps ``n_keep`` (plain
+  SnapKV); so does kvbench. This is the code's rule, not the paper's prose.
 - [I] Budgets are rounded to integers by largest remainder (ties to lower layers): the total over layers is
   exactly ``L * n_keep`` per sample and budgets never increase with depth.
 - [I] A budget of at most ``window`` leaves no room for a pyramid, and one covering the whole prompt has
@@ -64,6 +67,7 @@ class PyramidKV(SnapKV):
             bottom = torch.where(capped, prompt - self.window, bottom)
             top = torch.where(capped, 2 * spare - bottom, top)
             pyramid &= n_keep.to(prompt) < prompt  # a budget covering the prompt keeps every layer whole
+            pyramid &= prompt >= 2 * spare  # the code's fallback to uniform budgets
         depth = torch.linspace(0, 1, num_layers, dtype=torch.float64, device=spare.device).view(-1, 1)  # (L, 1)
         budgets = self.window + bottom + (top - bottom) * depth  # (L, B)
         budgets = torch.where(pyramid, budgets, n_keep.to(budgets))

@@ -10,6 +10,13 @@ Interpretations:
 - [I] A budget smaller than ``sinks`` keeps the first ``n_keep`` tokens (all of it goes to sinks).
 - [I] Sinks are the oldest slots still in the row; after prefill they are the first prompt tokens, and
   StreamingLLM never evicts them, so they stay the first tokens for the whole generation.
+- [I] Positions: the paper uses positions *within the cache* (keys are cached before RoPE and rotated by
+  their current cache index at every step, so sinks and window are always contiguous positions 0..n-1).
+  kvbench's engine does not re-rotate cached keys: ``position_mode=original`` (default) keeps every token at
+  its original position; ``position_mode=cache_length`` gives *new* tokens the row's cache length as position
+  while cached keys keep their original rotation, so neither mode reproduces the paper's in-cache positions.
+  This matters once a generation runs past the model's trained context length (the paper's streaming
+  setting); within it, original positions are what the merging papers' baselines use.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 LLMs"). methods.md §4.
 
 Per KV head, two running statistics per slot: a = accumulated attention and n = number of queries that saw
-the slot (prompt: column sums and the number of prompt queries at or after the slot; every decode step adds
-the new query's attention to a and 1 to n, ``observe``). Whenever a row holds more than its budget m:
+the slot (prompt: column sums and the number of prompt queries at or after the slot; every later pass adds its
+queries' summed attention to a and the number of its queries that could see the slot to n, ``observe``: 1 per
+decode step, q for a pass that feeds q tokens at once, as Algorithm 1 adds 1 per query). Whenever a row holds
+more than its budget m:
     a_bar = a / n                                          # historical average attention score
     j     = argmin a_bar over the mergeable region         # excludes the sinks and the recent window
     v[r]  = (a_bar[j] v[j] + a_bar[r] v[r]) / (a_bar[j] + a_bar[r]),  r = j's right neighbour
@@ -19,18 +21,19 @@ Interpretations:
   124 for m = 256). Sinks + recent never exceed m - 1 in a row, so a region to merge from always remains.
 - [I] Prefill with m below the prompt length applies the same rule repeatedly until len = m. Scores do not
   change while merging (no new queries), so the order of the merges is known up front: ascending a_bar,
-  ties to the earlier slot, exactly the sequence of argmins. The merges themselves run in a loop of
-  (len - m) steps, each O(d) per row and vectorised over batch and heads; a deleted slot merges into the
-  nearest *surviving* slot on its right (a linked list of survivors), as the sequential rule does.
+  ties to the earlier slot, exactly the sequence of argmins. A deleted slot merges into the nearest slot on
+  its right that is still there at that time, as the sequential rule does; ``merge_in_order`` computes the
+  outcome of all (len - m) merges at once (see its docstring), without a per-token loop.
 - [I] A slot never observed (n = 0, e.g. a suffix fed without statistics) has no average yet: it is merged
   only after every observed slot of the region.
 - [I] Weights with a_bar[j] + a_bar[r] = 0 fall back to 1/2 each.
 - [I] GQA: the engine averages the attention of the query heads of each KV group.
 
-Cost: prefill O((T - m) * (d + 1)) work in T - m sequential steps per layer (plus one sort O(T log T));
-decode, one merge per step: O(T) for the argmin and O(d) for the merge, 2 scalars of state per slot. Each
-merge touches two slots only, so the pairwise convex combination is applied directly rather than through
-``scatter_merge`` (a full-row scatter per merge would cost O(T d)).
+Cost: prefill O(T log T) per row for the merge tree (one sort, a sparse table and pointer doubling, each
+log T vectorised passes) plus O(T d) for one scatter of the values; decode, one merge per step: O(T) for
+the argmin and O(d) for the merge (``merge_into_right``, a loop over the row's few excess slots), 2 scalars of
+state per slot. A decode merge touches two slots only, so the pairwise convex combination is applied directly
+rather than through ``scatter_merge`` (a full-row scatter per merge would cost O(T d)).
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, per_sample_n_keep
-from kvbench.methods.base import check_count
+from kvbench.methods.base import Method, check_count, pass_observers, per_sample_n_keep, prompt_observers
 
 ACCUMULATED = "accumulated_attention"  # a
 OBSERVED = "observations"  # n
@@ -71,22 +74,22 @@ class WeightedKV(Method):
             check_count(self.name, 0, recent=self.recent)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """a += attention of the newest query; n += 1 on every real slot."""
+        """a += the pass's summed attention; n += the number of its queries that could see the slot."""
         kv.accumulate(ACCUMULATED, stats.step_attention)
-        kv.accumulate(OBSERVED, kv.valid())
+        kv.accumulate(OBSERVED, pass_observers(kv, stats))
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
-            slots = torch.arange(kv.capacity, device=kv.keys.device).view(1, 1, -1)
             kv.state[ACCUMULATED] = stats.column_sums.float().clone()
-            kv.state[OBSERVED] = (kv.lengths.unsqueeze(-1) - slots).clamp(min=0).float()
+            kv.state[OBSERVED] = prompt_observers(kv)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         excess = kv.lengths - keep  # merges each row needs
         if int(excess.max()) <= 0:
             return kv
         average = kv.state[ACCUMULATED] / kv.state[OBSERVED].clamp(min=1)  # a_bar, (B, H, T)
         order = self._merge_order(kv, keep, average)
-        values, alive = merge_into_right(kv.values, average, order, excess)
+        merge = merge_in_order if phase == "prefill" else merge_into_right
+        values, alive = merge(kv.values, average, order, excess)
         index, lengths = keep_topk(alive.float(), keep, kv.lengths)  # survivors, in order
         return replace(kv, values=values).gather(index, lengths)
 
@@ -133,3 +136,79 @@ def merge_into_right(values: Tensor, average: Tensor, order: Tensor, count: Tens
         left.scatter_(2, r, torch.where(active, p, left.gather(2, r)))
         alive.scatter_(2, j, alive.gather(2, j) & ~active)
     return merged.to(values.dtype), alive
+
+
+def merge_in_order(values: Tensor, average: Tensor, order: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge_into_right``'s result without its loop: all ``count`` merges of a row at once, O(T log T).
+
+    Slot j = order[i] (i < count) is deleted at time i; the others survive (time T). When j goes it merges
+    into r(j) = the first slot right of j deleted later (the nearest survivor at that time), a next-greater-
+    element query answered with a sparse table of range maxima and binary lifting. With f_j = a_j / (a_j +
+    a_r) (1/2 when both are 0), merges form a forest (parent r(j)) whose roots are the survivors, and each
+    original value reaches its root with the product of
+      - own(i) = prod over i's children c of (1 - f_c)   (every merge into i scales what i holds), and
+      - along each edge j -> r: f_j * prod over r's children merged after j of (1 - f_c)
+        (suffix products among siblings in time order);
+    path products come from pointer doubling, and the final values are one scatter-add of coefficient x value.
+    Same arguments and returns as ``merge_into_right``; values agree with it to float rounding.
+    """
+    B, H, T, D = values.shape
+    device = values.device
+    slots = torch.arange(T, device=device).view(1, 1, -1).expand(B, H, T)
+    rank = torch.empty_like(order).scatter_(2, order, slots.contiguous())  # deletion time of every slot
+    deleted = rank < count.unsqueeze(-1)
+    time = torch.where(deleted, rank, T)
+    parent = torch.where(deleted, next_later(time).clamp(max=T - 1), slots)
+    w_j, w_r = average, average.gather(2, parent)
+    total = w_j + w_r
+    f = torch.where(total > 0, w_j / total.clamp(min=torch.finfo(torch.float32).tiny), 0.5)
+    f = torch.where(deleted, f, 0.0)
+    # Children of one parent, contiguous and in deletion order; survivors sort last, one segment each.
+    segment = torch.where(deleted, parent, T + slots)
+    by_parent = torch.sort(segment * (T + 1) + torch.where(deleted, time, 0), dim=-1).indices
+    seg, keep = segment.gather(2, by_parent), (1 - f).gather(2, by_parent)
+    suffix = segment_suffix_product(keep, seg)  # product from each child to its parent's last merge
+    same_next = F.pad(seg[..., 1:] == seg[..., :-1], (0, 1))
+    after = torch.where(same_next, F.pad(suffix[..., 1:], (0, 1), value=1.0), 1.0)  # strictly later siblings
+    first = ~F.pad(seg[..., 1:] == seg[..., :-1], (1, 0))
+    edge = torch.ones_like(f).scatter_(2, by_parent, after) * f + (~deleted).float()  # survivors: edge 1
+    own = torch.ones_like(f).scatter_reduce_(2, seg.clamp(max=T - 1), torch.where(first & (seg < T), suffix, 1.0),
+                                             "prod")  # each parent: the product over all of its children
+    root, path = parent.clone(), edge
+    for _ in range(max(1, (T - 1).bit_length())):  # pointer doubling: 2^k >= T hops reach the root
+        path = path * path.gather(2, root)
+        root = root.gather(2, root)
+    coefficient = own * path
+    merged = torch.zeros(B, H, T, D, dtype=torch.float32, device=device)
+    merged.scatter_add_(2, root.unsqueeze(-1).expand(-1, -1, -1, D), values.float() * coefficient.unsqueeze(-1))
+    return merged.to(values.dtype), ~deleted
+
+
+def next_later(time: Tensor) -> Tensor:
+    """(B, H, T) long -> for each slot j the first k > j with time[k] > time[j] (T if none): a sparse table of
+    range maxima over powers of two, then binary lifting that skips every block whose maximum is <= time[j]."""
+    T = time.shape[-1]
+    tables = [time]  # tables[l][i] = max time[i : i + 2^l] (clipped at T)
+    while 2 ** len(tables) <= T:
+        span, previous = 2 ** (len(tables) - 1), tables[-1]
+        tables.append(torch.cat([torch.maximum(previous[..., :-span], previous[..., span:]),
+                                 previous[..., -span:]], dim=-1))
+    position = torch.arange(1, T + 1, device=time.device).expand_as(time).contiguous()
+    for level in reversed(range(len(tables))):
+        size = 2 ** level
+        block_max = tables[level].gather(2, position.clamp(max=T - 1))
+        skip = (position + size <= T) & (block_max <= time)
+        position = torch.where(skip, position + size, position)
+    return position
+
+
+def segment_suffix_product(x: Tensor, segment: Tensor) -> Tensor:
+    """Inclusive product of ``x`` from each entry to the end of its run of equal ``segment`` ids (last axis,
+    runs contiguous): Hillis-Steele doubling, log T passes; exact with zero factors (no division)."""
+    out, step, T = x.clone(), 1, x.shape[-1]
+    while step < T:
+        same = segment[..., step:] == segment[..., :-step]
+        out = torch.cat([torch.where(same, out[..., :-step] * out[..., step:], out[..., :-step]),
+                         out[..., -step:]], dim=-1)
+        step *= 2
+    return out

@@ -50,6 +50,8 @@ def config(args) -> OmegaConf:
     cfg.plots.enabled = cfg.plots.enabled and not args.no_plots
     if cfg.table.delta not in ("column", "none"):
         raise ConfigError(f"unknown table.delta '{cfg.table.delta}'; accepted: column, none")
+    if cfg.table.align not in ("budget", "kept"):
+        raise ConfigError(f"unknown table.align '{cfg.table.align}'; accepted: budget, kept")
     return cfg
 
 
@@ -92,6 +94,8 @@ def report(cfg) -> list[Path]:
     if metrics.empty:
         raise ConfigError(f"no results under '{cfg.root}' pass the filters {OmegaConf.to_container(cfg.filters)}")
     metrics = data.label_rows(efficiency.table_per_measure(metrics))
+    if cfg.table.align == "kept":
+        metrics = data.align_by_kept(metrics, float(cfg.table.kept_step))
     predictions = data.labelled_predictions(results, metrics)
     reference = paper.reference() if cfg.table.paper else None
     out = Path(cfg.out)

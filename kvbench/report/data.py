@@ -1,5 +1,6 @@
 """Collected results -> the rows the report tabulates: filtered, one table row per model x budget x method
-variant, full-cache runs of any budget merged into one "full" row per model."""
+variant, full-cache runs of any budget merged into one "full" row per model; optionally re-blocked by the
+realized kept fraction instead of the budget label (``align_by_kept``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import ConfigError
-from kvbench.report.paper import FULL
+from kvbench.report.paper import FULL, KEPT
 
 FILTER_COLUMNS = ("model", "task", "budget", "method", "dataset")
 # Columns whose differing values make different table rows of one method (besides method.* hyperparameters).
@@ -103,8 +104,27 @@ def other_samples(metrics: pd.DataFrame) -> pd.Series:
             & (metrics["sample_ids_hash"] != metrics["full_samples"]))
 
 
+def align_by_kept(metrics: pd.DataFrame, step: float) -> pd.DataFrame:
+    """Re-block compressed rows by their realized kept fraction instead of the budget label: ``budget``
+    becomes ``kept<f>`` with f the run's ``kept_fraction`` rounded to a multiple of ``step`` (kind "kept"), and
+    the budget label moves into the row's method as ``method@label``, so that methods whose realized sizes
+    differ from their labels (KVMerger's threshold-driven size) line up with those that keep as much."""
+    if not step > 0:
+        raise ConfigError(f"table.kept_step={step} must be > 0")
+    out = metrics.copy()
+    kept = out["kept_fraction"] if "kept_fraction" in out else pd.Series(float("nan"), index=out.index)
+    compressed = (out["budget"] != FULL) & kept.notna()
+    value = (kept[compressed] / step).round() * step
+    out.loc[compressed, "row_method"] = out.loc[compressed, "row_method"] + "@" + out.loc[compressed, "budget"]
+    out.loc[compressed, "budget"] = KEPT + value.map(lambda v: f"{v:.4g}")
+    out.loc[compressed, "budget_kind"] = "kept"
+    out.loc[compressed, "budget_value"] = value
+    return out
+
+
 def labelled_predictions(results: Results, metrics: pd.DataFrame) -> pd.DataFrame:
-    """Per-sample rows of the runs behind ``metrics`` (labelled) with their row labels."""
-    labels = metrics.drop_duplicates("run_id")[["run_id", "task", "model", "budget", "method", "row_method",
-                                                 "variant", "budget_kind", "budget_value"]]
+    """Per-sample rows of the runs behind ``metrics`` (labelled) with their row labels and realized kept
+    fraction."""
+    columns = ["run_id", "task", "model", "budget", "method", "row_method", "variant", "budget_kind", "budget_value"]
+    labels = metrics.drop_duplicates("run_id")[columns + [c for c in ("kept_fraction",) if c in metrics]]
     return results.predictions.merge(labels, on="run_id", how="inner")

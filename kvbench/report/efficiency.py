@@ -26,7 +26,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from kvbench.report.paper import FULL, MODEL_DISPLAY, budget_display, display  # noqa: E402
-from kvbench.report.plots import _method_label, _methods_by_budget, _name, _ordered, save  # noqa: E402
+from kvbench.report.plots import _kept, _method_label, _methods_by_budget, _name, _ordered, save  # noqa: E402
 
 TASK = "efficiency"
 THROUGHPUT_TABLE = "efficiency_throughput"
@@ -83,8 +83,12 @@ def cell_points(metrics: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=ID)
     method = eff[(eff["system"] == "method") & (eff["row_method"] != "full")]
     full = eff[eff["system"] == "full"].assign(budget=FULL, row_method="full")
-    return pd.concat([frame.pivot_table(index=ID, columns="measure", values="value", aggfunc=how).reset_index()
-                      for frame, how in ((method, "first"), (full, "median")) if len(frame)])
+    points = pd.concat([frame.pivot_table(index=ID, columns="measure", values="value", aggfunc=how).reset_index()
+                        for frame, how in ((method, "first"), (full, "median")) if len(frame)])
+    if "kept_fraction" not in method or method.empty:
+        return points
+    kept = method.groupby(ID)["kept_fraction"].mean().rename("kept_fraction").reset_index()
+    return points.merge(kept, on=ID, how="left")
 
 
 def sample_points(predictions: pd.DataFrame) -> pd.DataFrame:
@@ -122,7 +126,8 @@ def _lines(frame: pd.DataFrame, methods: list[str]):
         for method in methods:
             line = frame[frame["row_method"] == method].sort_values("context_length")
             style = _line_style(method, colour)
-            ax.plot(line["context_length"], factor * line[measure], marker="o", label=_method_label(method), **style)
+            ax.plot(line["context_length"], factor * line[measure], marker="o",
+                    label=_method_label(method, _kept(frame, method)), **style)
             if measure == "tpot_seconds" and "tpot_bound_seconds" in line and line["tpot_bound_seconds"].notna().any():
                 ax.plot(line["context_length"], factor * line["tpot_bound_seconds"], color=colour[method],
                         linestyle=":", linewidth=1.2)
@@ -159,7 +164,7 @@ def _bars(frame: pd.DataFrame, methods: list[str]):
             axes[0][-1].legend([Line2D([], [], color="black", marker="_", markersize=12, linestyle="")],
                                ["bytes-read bound (above: bound / TPOT)"], fontsize=7, loc="center left",
                                bbox_to_anchor=(1.02, 0.5))
-        ax.set_xticks(x, [_method_label(m) for m in methods], rotation=60, ha="right", fontsize=7)
+        ax.set_xticks(x, [_method_label(m, _kept(frame, m)) for m in methods], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel(label)
     return fig
 

@@ -16,6 +16,7 @@ from kvbench.tasks.sources import PACKAGE_DATA
 
 PAPER_RESULTS = PACKAGE_DATA / "paper_results.csv"
 FULL = "full"  # the budget label of full-cache rows in tables
+KEPT = "kept"  # budget-label prefix of a block of rows aligned by realized kept fraction (report table.align)
 
 # paper's model label -> kvbench model name (conf/model/<name>.yaml)
 MODELS = {
@@ -102,12 +103,20 @@ METHOD_DISPLAY = {
 
 
 def budget_display(label: str) -> str:
-    """"0.2" -> "20%", "tokens256" -> "256 tokens/head", "full" -> "Full"."""
+    """"0.2" -> "20%", "tokens256" -> "256 tokens/head", "full" -> "Full", "kept0.45" (a block of rows
+    aligned by realized kept fraction) -> "kept ≈45%"."""
     if label == FULL:
         return "Full"
     if label.startswith("tokens"):
         return f"{label[len('tokens'):]} tokens/head"
+    if label.startswith(KEPT):
+        return f"kept ≈{float(label[len(KEPT):]) * 100:g}%"
     return f"{float(label) * 100:g}%"
+
+
+def kept_display(kept: float) -> str:
+    """Realized kept fraction (mean over samples of kept slots / prompt length) as shown beside a budget."""
+    return "–" if kept is None or kept != kept else f"{kept:.2f}"
 
 
 def display(name: str, table: dict) -> str:

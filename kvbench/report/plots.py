@@ -19,6 +19,9 @@ from kvbench.report.paper import FULL, METHOD_DISPLAY, MODEL_DISPLAY, budget_dis
 from kvbench.report.render import column_display  # noqa: E402
 from kvbench.report.tables import OURS, SUITE_AVERAGE, Table  # noqa: E402
 
+# x-axis of score-vs-budget plots per budget kind; points are annotated with their realized kept fraction
+BUDGET_AXIS = {"fraction": "budget (% of prompt; labels: realized kept fraction)",
+               "kept": "realized kept fraction (%, rounded to the block)", "tokens": "budget (tokens per head)"}
 # Red -> yellow -> green, the colours of Kamradt's needle-in-a-haystack figures that the papers reuse.
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
 
@@ -49,12 +52,25 @@ def _methods_by_budget(frame: pd.DataFrame):
 def _ordered(methods, order: list[str]) -> list[str]:
     """Distinct row methods, full cache first, then in ``order`` (the table's method order), then by name."""
     rank = {m: i for i, m in enumerate(order)}
-    return sorted(dict.fromkeys(methods), key=lambda m: (m.split("[")[0] != "full", rank.get(m.split("[")[0], len(rank)), m))
+    base = lambda m: m.split("[")[0].split("@")[0]  # noqa: E731
+    return sorted(dict.fromkeys(methods), key=lambda m: (base(m) != "full", rank.get(base(m), len(rank)), m))
 
 
-def _method_label(method: str) -> str:
+def _method_label(method: str, kept: float = float("nan")) -> str:
+    """Display name of a row method, with its budget when rows are aligned by kept fraction ("@label") and
+    its realized kept fraction when known."""
+    method, at, budget = method.partition("@")
     base, bracket, rest = method.partition("[")
-    return display(base, METHOD_DISPLAY) + (f" [{rest}" if bracket else "")
+    label = display(base, METHOD_DISPLAY) + (f" [{rest}" if bracket else "")
+    label += f" @ {budget_display(budget)}" if at else ""
+    return label if kept != kept or base == "full" else f"{label} (kept {kept:.2f})"
+
+
+def _kept(rows: pd.DataFrame, method: str) -> float:
+    """Mean realized kept fraction of a row method's rows (NaN when the results predate the column)."""
+    if "kept_fraction" not in rows:
+        return float("nan")
+    return float(rows.loc[rows["row_method"] == method, "kept_fraction"].mean())
 
 
 def needle_heatmaps(predictions: pd.DataFrame, metric_of: dict, order: list[str], out: Path, formats) -> list[Path]:
@@ -76,7 +92,7 @@ def needle_heatmaps(predictions: pd.DataFrame, metric_of: dict, order: list[str]
                 if grid.size <= 100:
                     for (i, j), v in np.ndenumerate(grid.to_numpy()):
                         ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
-                ax.set_title(_method_label(method), fontsize=9)
+                ax.set_title(_method_label(method, _kept(rows, method)), fontsize=9)
                 ax.set_xlabel("context length (tokens)")
             axes[0][0].set_ylabel("needle depth (%)")
             fig.colorbar(image, ax=axes[0].tolist(), label=f"{metric} (%)")
@@ -87,7 +103,8 @@ def needle_heatmaps(predictions: pd.DataFrame, metric_of: dict, order: list[str]
 
 def score_vs_budget(table: Table, budgets: pd.DataFrame, out: Path, formats) -> list[Path]:
     """Per model: the table's summary columns (overall/category averages, else the dataset columns) against
-    the budget, one line per method, the full cache as a dashed line; fractions and token budgets apart."""
+    the budget, one line per method, the full cache as a dashed line; fractions and token budgets apart.
+    Every point is labelled with its realized kept fraction."""
     summary = [c for c in table.values.columns if c not in table.data_columns] or table.data_columns[:8]
     summary = [SUITE_AVERAGE[table.task]] if SUITE_AVERAGE.get(table.task) in summary else summary
     values = table.values[table.values.index.get_level_values("source") == OURS]
@@ -104,11 +121,16 @@ def score_vs_budget(table: Table, budgets: pd.DataFrame, out: Path, formats) -> 
                         for value in rows[column]:
                             ax.axhline(value, color="black", linestyle="--", label="Full Cache")
                         continue
-                    points = sorted((value_of[b], v) for (_, b, _, _), v in rows[column].items() if b in value_of)
+                    points = sorted((value_of[row[1]], v, table.kept[row]) for row, v in rows[column].items()
+                                    if row[1] in value_of)
                     if points:
-                        x, y = zip(*points)
-                        ax.plot([100 * v for v in x] if kind == "fraction" else x, y, marker="o", label=_method_label(method))
-                ax.set_xlabel("budget (% of prompt)" if kind == "fraction" else "budget (tokens per head)")
+                        x, y, kept = zip(*points)
+                        x = [100 * v for v in x] if kind != "tokens" else x
+                        ax.plot(x, y, marker="o", label=_method_label(method))
+                        for xi, yi, ki in zip(x, y, kept):
+                            if ki == ki:
+                                ax.annotate(f"{ki:.2f}", (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=6)
+                ax.set_xlabel(BUDGET_AXIS.get(kind, "budget (tokens per head)"))
                 ax.set_title(column_display(column), fontsize=9)
             axes[0][0].set_ylabel(table.column_metric.get(summary[0], (None, "average score"))[1])
             axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
@@ -126,7 +148,8 @@ def perplexity_curves(metrics: pd.DataFrame, prefix: str, out: Path, formats) ->
         fig, ax = plt.subplots(figsize=(5.5, 3.5), layout="constrained")
         for (method, dataset), line in frame.groupby(["row_method", "dataset"]):
             line = line.sort_values("position")
-            ax.plot(line["position"], line["value"], label=_method_label(method), linestyle="--" if method == "full" else "-")
+            ax.plot(line["position"], line["value"], label=_method_label(method, _kept(line, method)),
+                    linestyle="--" if method == "full" else "-")
         ax.set_xlabel("token position")
         ax.set_ylabel("perplexity" + (" (window)" if prefix == "ppl_window" else " (cumulative)"))
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))

@@ -7,12 +7,14 @@ import math
 
 import pandas as pd
 
-from kvbench.report.paper import (DATASET_DISPLAY, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display)
+from kvbench.report.paper import (DATASET_DISPLAY, METHOD_DISPLAY, MODEL_DISPLAY, budget_display, display,
+                                  kept_display)
 from kvbench.report.stats import PAIRED_TEST
 from kvbench.report.tables import OURS, Table
 
 DELTA = "Δ vs Full"
 OTHER_SAMPLES = "‡"  # the cell's samples are not the full cache's: not compared
+KEPT_COLUMN = "Kept"  # the realized kept fraction, beside the budget label
 
 
 # metric name ending -> (factor, unit) for display; the CSV keeps SI values
@@ -38,8 +40,10 @@ def column_display(column: str, memory_is_rss: bool = False) -> str:
 
 
 def method_display(method: str, source: str) -> str:
+    method, at, budget = method.partition("@")  # rows aligned by kept fraction carry their budget label
     base, bracket, rest = method.partition("[")
     name = display(base, METHOD_DISPLAY) + (f" [{rest}" if bracket else "")
+    name += f" @ {budget_display(budget)}" if at else ""
     if source != OURS:
         paper, _, table_id = source.removeprefix("paper:").partition("/")
         name += f" (paper: {paper} {table_id.replace('table', 'T')})"
@@ -55,8 +59,8 @@ def cells(table: Table, cfg, bold_open: str, bold_close: str) -> list[list[str]]
     digits, out = int(cfg.digits), []
     for row in table.values.index:
         model, budget, method, source = row
-        line = [display(model, MODEL_DISPLAY), budget_display(budget), method_display(method, source),
-                samples_display(table, row)]
+        line = [display(model, MODEL_DISPLAY), budget_display(budget), kept_display(table.kept[row]),
+                method_display(method, source), samples_display(table, row)]
         for column in table.values.columns:
             text = _number(table.values.at[row, column] * unit_of(column)[0], digits)
             if text != "–" and cfg.bold_best and table.bold.at[row, column]:
@@ -92,7 +96,8 @@ def _annotations(table: Table, row, column: str, cfg) -> str:
 
 
 def header(table: Table, cfg) -> list[str]:
-    names = ["Model", "Budget", "Method", "n", *(column_display(c, table.memory_is_rss) for c in table.values.columns)]
+    names = ["Model", "Budget", KEPT_COLUMN, "Method", "n",
+             *(column_display(c, table.memory_is_rss) for c in table.values.columns)]
     return names + ([DELTA] if show_delta(table, cfg) else [])
 
 
@@ -102,15 +107,16 @@ def show_delta(table: Table, cfg) -> bool:
 
 def markdown(table: Table, cfg) -> str:
     head = header(table, cfg)
-    lines = [f"Query mode: {table.modes}.", "", "| " + " | ".join(head) + " |",
-             "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]
+    align = ["---", "---", "---:", "---", "---:"] + ["---:"] * (len(head) - 5)  # Model, Budget, Kept, Method, n
+    lines = [f"Query mode: {table.modes}.", "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in cells(table, cfg, "**", "**")]
     return "\n".join(lines) + "\n\n" + " ".join(notes(table, cfg)) + "\n"
 
 
 def notes(table: Table, cfg) -> list[str]:
     out = ["n: samples per dataset.", "Best compressed method per model × budget block in bold (higher is better;"
-           " lower for perplexity, time and memory)."]
+           " lower for perplexity, time and memory).", f"{KEPT_COLUMN}: realized kept fraction (kept slots / prompt"
+           " length, mean over samples, layers and heads)."]
     if table.other_samples.to_numpy().any():
         out.append(f"{OTHER_SAMPLES}: scored on other samples than the full cache (another limit or data): "
                    "not ranked, no Δ.")
@@ -131,7 +137,7 @@ def latex_escape(text: str) -> str:
 def latex(table: Table, cfg) -> str:
     head = header(table, cfg)
     rows = cells(table, cfg, "\x00", "\x01")
-    lines = [f"% query mode: {table.modes}", r"\begin{tabular}{lll" + "r" * (len(head) - 3) + "}", r"\toprule",
+    lines = [f"% query mode: {table.modes}", r"\begin{tabular}{llrl" + "r" * (len(head) - 4) + "}", r"\toprule",
              " & ".join(latex_escape(h) for h in head) + r" \\", r"\midrule"]
     previous = None
     for index, row in zip(table.values.index, rows):
@@ -147,6 +153,7 @@ def latex(table: Table, cfg) -> str:
 
 def csv_frame(table: Table, cfg) -> pd.DataFrame:
     frame = table.values.copy()
+    frame.insert(0, "kept_fraction", table.kept)
     frame[DELTA] = table.delta
     if table.ci_lo is not None:
         for column in table.data_columns:

@@ -2,7 +2,8 @@
 block; paper rows beside ours), columns = datasets (+ LongBench category averages and the overall average),
 best compressed method per model x budget block marked, delta vs full cache, optional bootstrap CIs and
 paired p-values, the number of samples behind each cell, and the cells scored on other samples than the
-full cache marked (no delta, not ranked). Rendering is in ``render.py``."""
+full cache marked (no delta, not ranked); every row carries its realized kept fraction (shown beside the
+budget). Rendering is in ``render.py``."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Table:
     n: pd.DataFrame | None = None  # samples behind each of our cells (index INDEX, data columns)
     other_samples: pd.DataFrame | None = None  # True: the cell's samples are not the full cache's
     memory_is_rss: bool = False  # every run on the CPU: "peak memory" is the process's RSS growth
+    kept: pd.Series = None  # realized kept fraction per row (mean over the row's runs; NaN for paper rows)
 
 
 def select_metrics(metrics: pd.DataFrame, task: str, wanted: list[str] | None) -> pd.DataFrame:
@@ -67,7 +69,7 @@ def column_order(columns: list[str], task: str) -> list[str]:
 def row_order(index: list[tuple], method_order: list[str], budget_kind: dict) -> list[tuple]:
     def key(row):
         model, budget, method, source = row
-        base = method.split("[")[0]
+        base = method.split("[")[0].split("@")[0]
         budget_key = (-1, 0.0) if budget == FULL else (budget_kind.get(budget, ("fraction", 0))[0] != "fraction",
                                                        budget_kind.get(budget, ("", 0.0))[1])
         m = method_order.index(base) if base in method_order else len(method_order)
@@ -97,7 +99,8 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
                   n=wide["n"].reindex(index=values.index, columns=data_columns),
                   other_samples=wide["other_samples"].reindex(index=values.index, columns=data_columns)
                   .fillna(False).astype(bool),
-                  memory_is_rss="device" in rows and rows["device"].astype(str).str.startswith("cpu").all())
+                  memory_is_rss="device" in rows and rows["device"].astype(str).str.startswith("cpu").all(),
+                  kept=kept_per_row(rows, values.index))
     table.bold = best_per_block(values.mask(_spread(table.other_samples, values.columns)),
                                 {c: lower_is_better(m) for c, (_, m) in column_metric.items()})
     table.delta = delta_vs_full(values, data_columns, task).mask(table.other_samples.any(axis=1))
@@ -119,6 +122,15 @@ def _spread(cells: pd.DataFrame, columns) -> pd.DataFrame:
     for column in columns.difference(cells.columns):
         out[column] = cells.any(axis=1)
     return out.astype(bool)
+
+
+def kept_per_row(rows: pd.DataFrame, index: pd.MultiIndex) -> pd.Series:
+    """Realized kept fraction of each of our rows: the mean over its runs of the run's ``kept_fraction``."""
+    if "kept_fraction" not in rows:
+        return pd.Series(np.nan, index=index)
+    runs = rows.drop_duplicates("run_id")
+    kept = runs.groupby(["model", "budget", "row_method"])["kept_fraction"].mean()
+    return pd.Series([kept.get(r[:3], np.nan) if r[3] == OURS else np.nan for r in index], index=index)
 
 
 def paper_rows(rows: pd.DataFrame, reference: pd.DataFrame, task: str, columns: list[str], single: bool) -> pd.DataFrame:

@@ -124,6 +124,37 @@ def test_h2o_decode_accumulates_attention_over_steps():
                                                                            [3.6, 1.6, 0.4, 0.2]]))
 
 
+def test_h2o_mean_over_observers_divides_by_the_queries_that_saw_each_token():
+    # 6 prompt slots seen by 6, 5, 4, 3, 2, 1 queries; sums 2.7, 2.0, 1.0, 1.5, 0.7, 0.7
+    # -> means 0.45, 0.4, 0.25, 0.5, 0.35, 0.7. heavy_ratio=1 (no recent window), budget 3:
+    # sum keeps 0, 1, 3; mean_over_observers keeps 5 (0.7), 3 (0.5), 0 (0.45).
+    column_sums = rows([2.7, 2.0, 1.0, 1.5, 0.7, 0.7])
+    by_sum = H2O(heavy_ratio=1.0).compress(0, make_kv([[6]], 6), AttentionStats(column_sums=column_sums),
+                                           torch.tensor([3]), "prefill")
+    assert kept(by_sum) == [[[0, 1, 3]]]
+    by_mean = H2O(heavy_ratio=1.0, normalize="mean_over_observers").compress(
+        0, make_kv([[6]], 6), AttentionStats(column_sums=column_sums), torch.tensor([3]), "prefill")
+    assert kept(by_mean) == [[[0, 3, 5]]]
+
+
+def test_h2o_mean_over_observers_counts_every_query_of_a_pass():
+    method = H2O(normalize="mean_over_observers")
+    kv = method.compress(0, make_kv([[6]], 6), AttentionStats(column_sums=rows([2.7, 2.0, 1.0, 1.5, 0.7, 0.7])),
+                         torch.tensor([4]), "prefill")
+    # 2 heavy among 0..3 by mean (0.45, 0.4, 0.25, 0.5): 3 and 0; recent 4, 5. Observers 6, 3, 2, 1.
+    assert kept(kv) == [[[0, 3, 4, 5]]]
+    assert kv.state["observations"][0, 0].tolist() == [6.0, 3.0, 2.0, 1.0]
+    kv.reserve(2)
+    kv.append(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.tensor([[6, 7]]))
+    step = rows([0.0, 0.1, 0.2, 0.3, 0.9, 0.5], capacity=kv.capacity)  # summed over the pass's 2 queries
+    method.observe(0, kv, AttentionStats(step_attention=step, num_queries=torch.tensor([2])))
+    # observers +2 on the old slots, +2 and +1 on the new ones: 8, 5, 4, 3, 2, 1; scores 2.7, 1.6, 0.9, 1.0
+    # -> means of positions 0, 3, 4, 5: 0.3375, 0.32, 0.225, 0.333; heavy 0 and 5, recent 6, 7.
+    assert kv.state["observations"][0, 0, :6].tolist() == [8.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    out = method.compress(0, kv, AttentionStats(), torch.tensor([4]), "decode")
+    assert kept(out) == [[[0, 5, 6, 7]]]
+
+
 def test_h2o_ragged_rows():
     column_sums = torch.stack([H2O_PREFILL[0], rows([0.1, 2.0, 0.3, 1.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0],
                                                     [1.0, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])[0]])
@@ -183,11 +214,21 @@ def test_pyramidkv_budgets_by_hand():
 
 
 def test_pyramidkv_bottom_layer_capped_at_the_prompt():
-    stats = [AttentionStats(num_queries=torch.tensor([24, 30, 100]))]
-    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 30, 3]), 4, stats, 0)
-    # n_keep 20 of 24: bottom 4 + 24 > 24 -> bottom 20, top 32 - 20 = 12: [24, 21.33, 18.67, 16] -> +1 to 18.67
+    stats = [AttentionStats(num_queries=torch.tensor([33, 30, 100]))]
+    budgets = PyramidKV(window=4, beta=8).layer_budgets(torch.tensor([20, 30, 3]), 4, stats, 0)
+    # n_keep 20 of 33: spare 16, top 2, bottom 30; 4 + 30 > 33 -> bottom 29, top 32 - 29 = 3:
+    #   4 + [29, 20.33, 11.67, 3] = [33, 24.33, 15.67, 7] -> floors sum to 79, +1 to 15.67
     # n_keep 30 >= prompt 30: nothing to compress, every layer 30; n_keep 3 <= window: every layer 3
-    assert budgets.tolist() == [[24, 30, 3], [21, 30, 3], [19, 30, 3], [16, 30, 3]]
+    assert budgets.tolist() == [[33, 30, 3], [24, 30, 3], [16, 30, 3], [7, 30, 3]]
+
+
+def test_pyramidkv_falls_back_to_uniform_budgets_on_a_short_prompt():
+    # PyramidKV's code: q_len < 2 * (n_keep - window) -> every layer n_keep. n_keep 20, window 4: 2 x 16 = 32.
+    # Prompt 24 < 32: uniform (the capped pyramid would be 4 + [20, 17.33, 14.67, 12]); prompt 32: the pyramid.
+    stats = [AttentionStats(num_queries=torch.tensor([24, 32]))]
+    budgets = PyramidKV(window=4, beta=2).layer_budgets(torch.tensor([20, 20]), 4, stats, 0)
+    # prompt 32: spare 16, top 8, bottom 24; 4 + 24 = 28 <= 32: [28, 22.67, 17.33, 12] -> +1 to 22.67
+    assert budgets.tolist() == [[20, 28], [20, 23], [20, 17], [20, 12]]
 
 
 @pytest.mark.parametrize("n_keep", [33, 40, 100, 257, 1000])
@@ -266,6 +307,7 @@ def test_budget_larger_than_the_row_keeps_everything(method):
     (lambda: PyramidKV(beta=0.5), "beta=0.5"),
     (lambda: PyramidKV(window=-3), "window=-3"),
     (lambda: TOVA(head_average="yes"), "head_average='yes'.*true, false"),
+    (lambda: H2O(normalize="mean"), "normalize 'mean'.*sum, mean_over_observers"),
 ])
 def test_bad_hyperparameters_are_rejected_with_the_value(build, match):
     with pytest.raises(ConfigError, match=match):
@@ -277,6 +319,7 @@ def test_bad_hyperparameters_are_rejected_with_the_value(build, match):
 ENGINE_METHODS = {
     "streamingllm": StreamingLLM(),
     "h2o": H2O(),
+    "h2o-mean": H2O(normalize="mean_over_observers"),
     "snapkv": SnapKV(window=4),
     "pyramidkv": PyramidKV(window=4),
     "tova": TOVA(),

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvbench.errors import ConfigError
 from kvbench.kv import AttentionStats, LayerKV
+from kvbench.methods import cam
 from kvbench.methods.cam import ATTENTION, CaM
 
 VALUES = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0])
@@ -21,39 +22,65 @@ def toy(attention: list[float]) -> tuple[LayerKV, AttentionStats]:
     return kv, AttentionStats(column_sums=torch.tensor(attention).view(1, 1, 8), num_queries=torch.tensor([8]))
 
 
-def test_streamingllm_merge_into_next_n_kept_tokens_deterministic():
-    # sinks 1 + recent 4 kept (slots 0, 4..7); slots 1, 2, 3 evicted; their targets are slots 4 and 5.
-    # mean target attention = (2 + 2) / 2 = 2 -> p = (1/2, 4/2 -> 1, 0/2) = (0.5, 1, 0).
+def test_streamingllm_prefill_merges_one_evicted_token_at_a_time():
+    # sinks 1 + recent 4 kept (slots 0, 4..7); slots 1, 2, 3 leave in that order, each into the 2 slots after it
+    # (the authors' streaming code, a prompt fed token by token). p = a_e / mean a over those 2 slots:
+    # slot 1 -> slots 2, 3 (4, 0): p = 1/2; slot 2 -> 3, 4 (0, 2): p = min(1, 4/1) = 1; slot 3 -> 4, 5: p = 0.
     kv, stats = toy([9.0, 1.0, 4.0, 0.0, 2.0, 2.0, 7.0, 7.0])
     out = CaM(sinks=1, merge_tokens=2, deterministic=True).compress(0, kv, stats, torch.tensor([5]), "prefill")
-    added = (0.5 * 20 + 1.0 * 30 + 0.0 * 40) / 2  # = 20, each of the two targets gets it
+    x1 = 20.0
+    x2 = 30.0 + 0.5 * x1 / 2  # slot 2 carries half of slot 1's merged share when it leaves: 35
+    x3 = 40.0 + (0.5 * x1 + 1.0 * x2) / 2  # 62.5, but p3 = 0: its value goes nowhere
     assert out.lengths.tolist() == [[5]]
     assert out.positions[0, 0].tolist() == [0, 4, 5, 6, 7]
     assert out.keys[0, 0, :, 0].tolist() == [0.0, 4.0, 5.0, 6.0, 7.0]  # keys of evicted tokens dropped
-    assert out.values[0, 0, :, 0].tolist() == [10.0, 50.0 + added, 60.0 + added, 70.0, 80.0]
+    assert out.values[0, 0, :, 0].tolist() == [10.0, 50.0 + (1.0 * x2 + 0.0 * x3) / 2, 60.0 + 0.0 * x3 / 2, 70.0, 80.0]
 
 
-def test_h2o_eviction_targets_follow_each_evicted_token():
-    # H2O, heavy_ratio 0.5 of 4 -> 2 heavy (1 sink + top score), 2 recent: keeps slots 0, 2, 6, 7.
-    # Evicted 1 -> targets slots 2, 6; evicted 3, 4, 5 -> targets 6, 7. merge_tokens = 2.
+def test_h2o_eviction_merges_oldest_first_into_the_next_slots():
+    # H2O, heavy_ratio 0.5 of 4 -> 2 heavy (1 sink + top score), 2 recent: keeps slots 0, 2, 6, 7; slots 1, 3,
+    # 4, 5 leave oldest first, each into the next 2 slots (kept or leaving later). merge_tokens = 2.
     kv, stats = toy([9.0, 1.0, 8.0, 3.0, 0.5, 2.0, 4.0, 4.0])
     out = CaM(sinks=1, merge_tokens=2, eviction="h2o", deterministic=True).compress(
         0, kv, stats, torch.tensor([4]), "prefill")
-    p1 = 1.0 / ((8.0 + 4.0) / 2)  # 1/6
-    p345 = [3.0 / 4.0, 0.5 / 4.0, 2.0 / 4.0]
-    from_1 = p1 * 20 / 2
-    from_345 = sum(p * v for p, v in zip(p345, [40.0, 50.0, 60.0])) / 2
+    p1, p3, p4, p5 = 1.0 / 5.5, min(1.0, 3.0 / 1.25), 0.5 / 3.0, 2.0 / 4.0  # a_e / mean a of the next 2 slots
+    x1 = 20.0
+    x3 = 40.0 + p1 * x1 / 2  # slot 3 receives from slot 1 (slots 2, 3 are 1's targets)
+    x4 = 50.0 + p3 * x3 / 2
+    x5 = 60.0 + p3 * x3 / 2 + p4 * x4 / 2
+    expected = [10.0, 30.0 + p1 * x1 / 2, 70.0 + p4 * x4 / 2 + p5 * x5 / 2, 80.0 + p5 * x5 / 2]
     assert out.positions[0, 0].tolist() == [0, 2, 6, 7]
-    expected = [10.0, 30.0 + from_1, 70.0 + from_1 + from_345, 80.0 + from_345]
     assert torch.allclose(out.values[0, 0, :, 0], torch.tensor(expected))
 
 
 def test_fewer_than_n_targets_at_the_row_end():
-    # recent window of 1: the evicted slots 1..6 have only slot 7 after them; p uses that slot alone, and it
-    # receives v / n with n = 4 (the mass meant for missing targets is lost).
+    # recent window of 1: slots 1..6 leave in order, each into the (up to) 4 slots after it, p = 1 everywhere;
+    # slot 6 has only slot 7 after it, which receives x6 / 4 (the mass meant for missing targets is lost).
     kv, stats = toy([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     out = CaM(sinks=1, merge_tokens=4, deterministic=True).compress(0, kv, stats, torch.tensor([2]), "prefill")
-    assert out.values[0, 0, :, 0].tolist() == [10.0, 80.0 + (20 + 30 + 40 + 50 + 60 + 70) / 4]
+    x = {1: 20.0}
+    for e in range(2, 7):
+        x[e] = 10.0 * (e + 1) + sum(x[j] for j in range(max(1, e - 4), e)) / 4
+    assert out.values[0, 0, :, 0].tolist() == pytest.approx([10.0, 80.0 + (x[3] + x[4] + x[5] + x[6]) / 4])
+
+
+def test_cascade_solver_matches_the_sequential_merges(monkeypatch):
+    # evicted_values solves the cascade in blocks; a block of 3 forces several block boundaries. Reference: the
+    # merges one at a time in slot order, exactly what the authors' loop does.
+    monkeypatch.setattr(cam, "CASCADE_BLOCK", 3)
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 5):
+        values = torch.randn(2, 3, 17, 4, generator=g)
+        evicted = torch.rand(2, 3, 17, generator=g) < 0.6
+        share = torch.rand(2, 3, 17, generator=g) * evicted / n
+        got = cam.evicted_values(values, share, evicted, n)
+        held = values.clone()
+        for e in range(17):
+            leaving = evicted[..., e]
+            for t in range(e + 1, min(17, e + n + 1)):
+                held[..., t, :] += torch.where(leaving, share[..., e], 0.0).unsqueeze(-1) * held[..., e, :]
+        assert torch.allclose(got[evicted], held[evicted], atol=1e-5)
+        assert (got[~evicted] == 0).all()
 
 
 def test_decode_step_merges_the_token_leaving_the_window():
@@ -71,7 +98,8 @@ def test_decode_step_merges_the_token_leaving_the_window():
 
 
 def test_bernoulli_mask_is_seeded_and_binary():
-    kv, stats = toy([9.0, 1.0, 1.0, 1.0, 2.0, 2.0, 7.0, 7.0])  # p = 0.5 for the three evicted slots
+    # slots 1, 2, 3 leave in order, one target each (n = 1): p = 1, 1, then 1/2 for slot 3 -> slot 4
+    kv, stats = toy([9.0, 1.0, 1.0, 1.0, 2.0, 2.0, 7.0, 7.0])
     runs = [CaM(sinks=1, merge_tokens=1, seed=s).compress(0, toy([9.0, 1.0, 1.0, 1.0, 2.0, 2.0, 7.0, 7.0])[0],
                                                           stats, torch.tensor([5]), "prefill") for s in (3, 3)]
     assert torch.equal(runs[0].values, runs[1].values)

@@ -21,7 +21,7 @@ from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.kernels.select import topk_mask
 from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.chelsea import MERGED, Chelsea
-from kvbench.methods.chelsea_calibrate import calibrate, edgeless_fraction
+from kvbench.methods.chelsea_calibrate import CONF, calibrate, edgeless_fraction
 
 # Slot keys (2-D): A slots are 0, 2 (even offsets), B slots 1, 3.
 # cos(k0, k1) = 0, cos(k0, k3) = 0.8 -> A0's edge goes to B3 (0.8); cos(k2, k1) = 0.6, cos(k2, k3) = 0.28 -> B1
@@ -233,3 +233,50 @@ def test_edgeless_fraction_and_calibration(tmp_path):
     path = tmp_path / "heads.json"
     path.write_text(json.dumps(result))
     assert Chelsea(outlier_heads_file=str(path))._outliers["heads"] == [(layer, head)]
+
+
+def test_experiment_calibrates_outlier_heads_before_a_chelsea_job(tmp_path):
+    # chelsea_longbench: chelsea reads the top-level chelsea_outlier_heads; the Hydra callback writes that file
+    # from the job's own model before the run (and leaves other methods and an existing file alone).
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from kvbench.methods.chelsea_calibrate import CalibrateOutlierHeads
+
+    text = tmp_path / "wiki.txt"
+    text.write_text(" = Valkyrie = \n The ship was launched in 1901 and sank in 1915 . \n" * 40)
+    overrides = ["+experiment=chelsea_longbench", "model=tiny-llama-random", f"results_root={tmp_path}",
+                 f"hydra.callbacks.chelsea_calibration.text={text}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        job = compose(config_name="config", overrides=[*overrides, "method=chelsea"], return_hydra_config=True)
+        other = compose(config_name="config", overrides=[*overrides, "method=full"], return_hydra_config=True)
+    out = tmp_path / "chelsea_outlier_heads" / "tiny-llama-random.json"
+    assert job.method.outlier_heads_file == str(out)
+    settings = {k: v for k, v in job.hydra.callbacks.chelsea_calibration.items() if k != "_target_"}
+    callback = CalibrateOutlierHeads(**settings, sequence_length=128, num_sequences=1)
+    callback.on_job_start(other, task_function=None)
+    assert not out.exists()
+    callback.on_job_start(job, task_function=None)
+    result = json.loads(out.read_text())
+    assert (result["num_layers"], result["num_key_value_heads"], result["outlier_ratio"]) == (2, 2, 0.04)
+    assert (result["sinks"], result["recent"], result["chunk_size"]) == (16, 64, 256)  # the job's method values
+    assert instantiate(job.method)._outliers["heads"] == [tuple(h) for h in result["outlier_heads"]]
+    out.write_text(out.read_text().replace('"outlier_ratio": 0.04', '"outlier_ratio": 0.5'))
+    callback.on_job_start(job, task_function=None)  # an existing file is reused, not recalibrated
+    assert json.loads(out.read_text())["outlier_ratio"] == 0.5
+    with pytest.raises(ConfigError, match="out"):
+        CalibrateOutlierHeads(out="x.json")
+
+
+def test_ratio_one_half_merges_every_a_slot_on_every_step_but_the_last():
+    # r0 = 0.5 (default): floor(0.5 x 8) = 4 edges = one per A slot (offsets 0, 2, 4, 6), so the first step
+    # merges all of them whatever their similarity (keys here: alternating orthogonal directions, cosine 0 or
+    # -1); the last step stops at the budget (excess 2 of 4 edges).
+    keys = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]] * 2
+    method = Chelsea(sinks=0, recent=0, chunk_size=None)
+    kv = cache(keys)
+    kv.state[MERGED] = torch.zeros(1, 1, 8)  # as compress starts it: every slot one token
+    first = method.cluster_step(kv, torch.tensor([[2]]), method.ratio(0))
+    assert first.positions[0, 0].tolist() == [1, 3, 5, 7]  # only B slots survive
+    last = method.cluster_step(first, torch.tensor([[2]]), method.ratio(1))
+    assert last.lengths.tolist() == [[2]]

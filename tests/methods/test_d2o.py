@@ -9,7 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.budget import Budget
+from kvbench.engine import Engine
 from kvbench.errors import ConfigError
+from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.d2o import D2O, THRESHOLD, allocate
 
@@ -84,9 +87,14 @@ def column_sums_with_variances(variances: list[float], T: int = 40) -> torch.Ten
     return torch.stack([1 + math.sqrt(v) * signs for v in variances]).unsqueeze(0)
 
 
+def prompt_stats(variances: list[float]) -> AttentionStats:
+    """MHA: every query head is its own KV head, so the per-query-head sums are the column sums."""
+    sums = column_sums_with_variances(variances)
+    return AttentionStats(column_sums=sums, query_column_sums=sums, num_queries=torch.tensor([40]))
+
+
 def test_inverse_variance_softmax_budgets():
-    stats = [AttentionStats(column_sums=column_sums_with_variances(v), num_queries=torch.tensor([40]))
-             for v in ([0.0, 1.0, 3.0], [0.0, 2.0, 2.0])]
+    stats = [prompt_stats(v) for v in ([0.0, 1.0, 3.0], [0.0, 2.0, 2.0])]
     # min-max over heads: D_0 = (0 + 1/3 + 1) / 3 = 4/9, D_1 = (0 + 1 + 1) / 3 = 2/3.
     lam0 = 1 / (1 + math.exp(-(2 / 3 - 4 / 9)))  # softmax(-D)_0 = 0.5553
     budgets = D2O().layer_budgets(torch.tensor([10]), 2, stats, 0)
@@ -99,8 +107,71 @@ def test_inverse_variance_softmax_budgets():
     assert reciprocal[:, 0].tolist() == [10, 10]
 
 
+def test_higher_attention_variance_gets_a_smaller_layer_budget():
+    # 4 query heads in 2 GQA groups (2 KV heads), 100 prompt tokens; a query head's column sums are either
+    # uniform (all 1, variance 0) or a sink (100 on slot 0, 0 elsewhere, unbiased variance 100).
+    # Layer 0: uniform, uniform, uniform, sink -> min-max (0, 0, 0, 1), D_0 = 1/4.
+    # Layer 1: uniform, sink, sink, sink -> (0, 1, 1, 1), D_1 = 3/4: more attention variance -> less cache.
+    # lambda = softmax(-D) = (0.6225, 0.3775); total 2 x 20 -> 24.9, 15.1 -> (25, 15).
+    uniform, sink = torch.ones(100), torch.zeros(100)
+    sink[0] = 100.0
+
+    def layer(heads):
+        per_query = torch.stack(heads).unsqueeze(0)  # (1, 4, 100)
+        per_kv = per_query.view(1, 2, 2, 100).mean(2)  # what the GQA-averaged statistic sees
+        return AttentionStats(column_sums=per_kv, query_column_sums=per_query, num_queries=torch.tensor([100]))
+
+    stats = [layer([uniform, uniform, uniform, sink]), layer([uniform, sink, sink, sink])]
+    assert D2O().layer_budgets(torch.tensor([20]), 2, stats, 0)[:, 0].tolist() == [25, 15]
+    # (averaged over each GQA group the two layers look alike: min-max (0, 1) in both, equal budgets)
+
+
+def test_query_column_sums_keep_every_query_head():
+    # One KV head, two query heads; keys k0 = (0, 0), k1 = (1, 0), queries at positions 0 and 1, scaling 1.
+    # Query head 0 = (ln 3, 0): its second query sees logits (0, ln 3) -> (1/4, 3/4); head 1 = 0: (1/2, 1/2).
+    # Both first queries see only k0. Column sums per query head: (1.25, 0.75) and (1.5, 0.5).
+    query = torch.tensor([[math.log(3), 0.0], [math.log(3), 0.0]]).view(1, 1, 2, 2)
+    query = torch.cat([query, torch.zeros(1, 1, 2, 2)], dim=1)
+    keys = torch.tensor([[0.0, 0.0], [1.0, 0.0]]).view(1, 1, 2, 2)
+    _, stats = ragged_attention(query, keys, None, torch.ones(1, 1, 2, dtype=torch.bool), torch.tensor([[[0, 1]]]),
+                                torch.tensor([[0, 1]]), 1.0, want_column_sums=True, want_query_column_sums=True)
+    torch.testing.assert_close(stats["query_column_sums"], torch.tensor([[[1.25, 0.75], [1.5, 0.5]]]))
+    torch.testing.assert_close(stats["column_sums"], torch.tensor([[[1.375, 0.625]]]))  # the group's mean
+
+
+def test_engine_hands_d2o_per_query_head_sums(tiny_model):
+    seen = []
+
+    class Recording(D2O):
+        def layer_budgets(self, n_keep, num_layers, prefill_stats, max_new_tokens):
+            seen.extend(prefill_stats)
+            return super().layer_budgets(n_keep, num_layers, prefill_stats, max_new_tokens)
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 21)]  # ragged: left padding
+    Engine(tiny_model, Recording(), Budget("fraction", 0.5)).prefill(prompts, max_new_tokens=2)
+    group = tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads
+    lengths = set()
+    for stats in seen:  # the engine prefills one row at a time: one (B = 1) statistics object per row and layer
+        B, Hq, T = stats.query_column_sums.shape
+        assert B == 1 and Hq == tiny_model.config.num_attention_heads
+        lengths.add(T)
+        # every query spreads one unit over the slots of its row
+        torch.testing.assert_close(stats.query_column_sums.sum(-1), torch.full((1, Hq), float(T)))
+        torch.testing.assert_close(stats.query_column_sums.view(B, -1, group, T).mean(2), stats.column_sums)
+    assert lengths == {30, 21}
+
+
+def test_recent_share_is_floored_as_in_the_code():
+    # budget 6, N:M = 3:1: recent = floor(6 / 4) = 1 (slot 9), heavy = 5 top scores among 0..8 (slots 0..4).
+    kv = row([(1.0, 0.0)] * 10, [float(j) for j in range(10)])
+    scores = AttentionStats(column_sums=torch.arange(9.0, -1.0, -1.0).view(1, 1, 10), num_queries=torch.tensor([10]))
+    out = D2O(n_sinks=0).compress(0, kv, scores, torch.tensor([6]), "prefill")
+    assert out.positions[0, 0].tolist() == [0, 1, 2, 3, 4, 9]
+
+
 def test_protected_layers_count_inside_the_total():
-    stats = [AttentionStats(column_sums=column_sums_with_variances([0.0, 1.0]), num_queries=torch.tensor([40]))] * 3
+    stats = [prompt_stats([0.0, 1.0])] * 3
     budgets = D2O(allocation="uniform", protect_layers=[0]).layer_budgets(torch.tensor([20]), 3, stats, 0)
     assert budgets[:, 0].tolist() == [40, 10, 10]
     with pytest.raises(ConfigError, match="protect_layers"):

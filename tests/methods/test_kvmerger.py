@@ -17,7 +17,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
 from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
-from kvbench.methods.kvmerger import KVMerger
+from kvbench.methods.kvmerger import KVMerger, budget_ratios
 
 
 def cache(keys: list[list[float]], values: list[list[float]] | None = None) -> LayerKV:
@@ -54,6 +54,35 @@ def test_protected_tokens_break_runs():
     assert out.positions[0, 0].tolist() == [1, 4, 8, 9]
     # values: each set of size s gives s * (1, 0); protected singletons unchanged.
     torch.testing.assert_close(out.values[0, 0, :, 0], torch.tensor([4.0, 1.0, 4.0, 1.0]))
+
+
+@pytest.mark.parametrize("n_keep, expected", [
+    # 35%: recent ceil(0.08 * 100) = 8 (92..99), heavy ceil(0.02 * 100) = 2 (scores = slot: 90, 91); the
+    # identical keys 0..89 form one set, pivot 89 (the top score) -> 11 slots.
+    (35, [89, *range(90, 100)]),
+    # 50%: recent 17 (83..99), heavy 12 (71..82); slots 0..70 one set, pivot 70 -> 30 slots.
+    (50, list(range(70, 100))),
+])
+def test_protected_ratios_follow_the_budget_as_in_the_paper(n_keep, expected):
+    kv = cache([[1.0, 1.0]] * 100)
+    out = KVMerger().compress(0, kv, stats([float(j) for j in range(100)]), torch.tensor([n_keep]), "prefill")
+    assert out.positions[0, 0].tolist() == expected
+
+
+def test_budget_ratios_between_and_beyond_the_papers_two_settings():
+    recent, heavy = budget_ratios(torch.tensor([0.2, 0.35, 0.425, 0.5, 0.75, 1.0, 2.0]))
+    # below 35%: the 35% setting scaled; between: linear; above 50%: the same line continued; above 1: as 1
+    torch.testing.assert_close(recent, torch.tensor([0.08 * 0.2 / 0.35, 0.08, 0.125, 0.17, 0.32, 0.47, 0.47],
+                                                    dtype=torch.float64))
+    torch.testing.assert_close(heavy, torch.tensor([0.02 * 0.2 / 0.35, 0.02, 0.07, 0.12, 0.12 + 0.25 * 2 / 3,
+                                                    0.12 + 0.5 * 2 / 3, 0.12 + 0.5 * 2 / 3], dtype=torch.float64))
+
+
+def test_fixed_ratios_ignore_the_budget():
+    kv = cache([[1.0, 1.0]] * 100)
+    scores = stats([float(j) for j in range(100)])
+    method = KVMerger(recent_ratio=0.17, heavy_ratio=0.12)
+    assert method.compress(0, kv, scores, torch.tensor([35]), "prefill").positions[0, 0].tolist() == list(range(70, 100))
 
 
 THREE = [[3.0, 0.0], [3.0, 1.0], [4.0, 0.0]]  # adjacent cosines 3/sqrt(10) = 0.949 and 12/(4 sqrt(10)) = 0.949

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvbench.errors import ConfigError
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.weightedkv import ACCUMULATED, OBSERVED, WeightedKV
+from kvbench.methods.weightedkv import ACCUMULATED, OBSERVED, WeightedKV, merge_in_order, merge_into_right
 
 
 def one_hot_row(T: int) -> LayerKV:
@@ -58,6 +58,46 @@ def test_observe_accumulates_attention_and_counts():
     wkv.observe(0, kv, AttentionStats(step_attention=torch.tensor([0.4, 0.3, 0.2, 0.1]).view(1, 1, 4)))
     assert kv.state[ACCUMULATED][0, 0, :4].tolist() == pytest.approx([1.9, 1.3, 0.7, 0.1])
     assert kv.state[OBSERVED][0, 0, :4].tolist() == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_a_pass_of_q_tokens_counts_q_observations():
+    # Algorithm 1 adds 1 to n per query: a pass feeding 3 tokens at once adds 3 to the 2 older slots and
+    # 3, 2, 1 to its own tokens (causal: the i-th new token is seen by the q - i queries at or after it).
+    kv = one_hot_row(2)
+    wkv = WeightedKV()
+    wkv.compress(0, kv, AttentionStats(column_sums=torch.tensor([1.5, 0.5]).view(1, 1, 2)), torch.tensor([8]),
+                 "prefill")
+    kv.append(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.tensor([[2, 3, 4]]))
+    step = torch.tensor([0.9, 0.6, 0.8, 0.5, 0.2]).view(1, 1, 5)
+    wkv.observe(0, kv, AttentionStats(step_attention=step, num_queries=torch.tensor([3])))
+    assert kv.state[OBSERVED][0, 0, :5].tolist() == [5.0, 4.0, 3.0, 2.0, 1.0]
+    assert kv.state[ACCUMULATED][0, 0, :5].tolist() == pytest.approx([2.4, 1.1, 0.8, 0.5, 0.2])
+
+
+def test_prefill_merges_match_the_sequential_loop_on_random_rows_with_ties():
+    # merge_in_order (prefill, no per-token loop) against merge_into_right (the merges one at a time):
+    # scores drawn from 4 levels (many ties, zeros), rows of random lengths and merge counts.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        B, H, T, D = 2, 3, int(torch.randint(2, 48, (), generator=g)), 4
+        values = torch.randn(B, H, T, D, generator=g)
+        average = torch.randint(0, 4, (B, H, T), generator=g).float() / 4
+        order = torch.sort(average[..., :-1], dim=-1, stable=True).indices  # the newest slot never merges away
+        order = torch.cat([order, torch.full((B, H, 1), T - 1)], dim=-1)
+        count = torch.randint(0, T, (B, H), generator=g)
+        loop, loop_alive = merge_into_right(values, average, order, count)
+        vectorised, alive = merge_in_order(values, average, order, count)
+        assert torch.equal(alive, loop_alive)
+        assert torch.allclose(vectorised[alive], loop[alive], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_prefill_runs_at_64k_tokens_per_row():
+    T, keep = 65536, 13107
+    kv = LayerKV.from_dense(torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8))
+    stats = AttentionStats(column_sums=torch.rand(1, 2, T), num_queries=torch.tensor([T]))
+    out = WeightedKV().compress(0, kv, stats, torch.tensor([keep]), "prefill")
+    assert (out.lengths == keep).all() and torch.isfinite(out.values).all()
 
 
 def test_default_recent_window_is_half_the_budget_minus_sinks():

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvbench.report import main
+from kvbench.report import data, main
 from kvbench.report.paper import PAPER_RESULTS
 from kvbench.report.stats import bootstrap_ci, paired_permutation_pvalue
 from tests.report.synthetic import MODEL, make_results
@@ -88,14 +88,18 @@ def test_markdown_bold_marks_best_of_each_block(root):
     col = header.index("NrtvQA")
     best = block["narrativeqa"].max()
     for row in rows:
-        if row[1] != "256 tokens/head" or "paper" in row[2]:
+        if row[1] != "256 tokens/head" or "paper" in row[3]:
             continue
         value = float(re.match(r"\**([\d.]+)", row[col]).group(1))
         assert row[col].startswith("**") == (abs(value - round(best, 2)) < 1e-9), row
-    full = next(r for r in rows if r[2] == "Full Cache")
+    full = next(r for r in rows if r[3] == "Full Cache")
     assert "**" not in "".join(full)  # the full cache is the reference, never "best"
-    assert header[-1] == "Δ vs Full" and header[3:8] == ["n", "NrtvQA", "Qasper", "HotpotQA", "TREC"]
-    assert all(r[3] == "3" for r in rows if "paper" not in r[2])  # 3 samples per dataset
+    assert header[-1] == "Δ vs Full" and header[4:9] == ["n", "NrtvQA", "Qasper", "HotpotQA", "TREC"]
+    assert all(r[4] == "3" for r in rows if "paper" not in r[3])  # 3 samples per dataset
+    # the realized kept fraction stands beside the budget label (synthetic runs: 1.0 full, 0.2 compressed)
+    assert header[1:4] == ["Budget", "Kept", "Method"] and full[2] == "1.00"
+    assert {r[2] for r in rows if r[1] != "Full" and "paper" not in r[3]} == {"0.20"}
+    assert {r[2] for r in rows if "paper" in r[3]} == {"–"}
 
 
 def test_latex_is_booktabs_with_one_line_per_row(root):
@@ -120,6 +124,32 @@ def test_paper_rows_come_from_the_shipped_csv(root):
               & (raw.method == "H2O") & (raw.budget == "50%")].set_index("dataset")["value"].astype(float)
     assert table.at[("0.5", "h2o", "paper:kvmerger/table1"), "narrativeqa"] == pytest.approx(kvm["narrativeqa"])
     assert ("tokens128", "h2o", "paper:ems/table1") not in table.index  # EMS Table 1 is at 256 only
+
+
+def test_align_by_kept_reblocks_rows_by_realized_kept_fraction():
+    metrics = pd.DataFrame({"run_id": ["a", "b", "c", "d"], "model": "m", "method": ["full", "h2o", "kvmerger", "kvmerger"],
+                            "row_method": ["full", "h2o", "kvmerger", "kvmerger"], "budget": ["full", "0.5", "0.5", "0.2"],
+                            "budget_kind": "fraction", "budget_value": [1.0, 0.5, 0.5, 0.2],
+                            "kept_fraction": [1.0, 0.5, 0.466, 0.31]})
+    out = data.align_by_kept(metrics, 0.05)
+    # step 0.05: 0.466 -> round(9.32) x 0.05 = 0.45, 0.31 -> 0.3; step 0.1: 0.466 -> 0.5, beside h2o at 0.5
+    assert out.budget.tolist() == ["full", "kept0.5", "kept0.45", "kept0.3"]
+    assert out.row_method.tolist() == ["full", "h2o@0.5", "kvmerger@0.5", "kvmerger@0.2"]
+    assert out.budget_kind.tolist() == ["fraction", "kept", "kept", "kept"]
+    assert data.align_by_kept(metrics, 0.1).budget.tolist() == ["full", "kept0.5", "kept0.5", "kept0.3"]
+
+
+def test_tables_line_methods_up_by_realized_kept_fraction(root, tmp_path):
+    out = tmp_path / "kept"
+    assert main(["--root", str(root), "--out", str(out), "--task", "longbench", "--no-plots", "table.align=kept"]) == 0
+    table = pd.read_csv(out / "tables" / "longbench.csv", keep_default_na=False, na_values=[""])
+    compressed = table[table.budget != "full"]
+    assert set(compressed.budget) == {"kept0.2"}  # the synthetic runs keep 0.2 whatever their label
+    assert {"h2o@0.5", "h2o@tokens256", "h2o@tokens128", "snapkv@tokens256"} <= set(compressed.method)
+    assert (compressed.source == "ours").all() and (compressed.kept_fraction == 0.2).all()
+    header, rows = md_rows(out / "tables" / "longbench.md")
+    assert ["Full", "1.00", "Full Cache"] in [r[1:4] for r in rows]
+    assert ["kept ≈20%", "0.20", "H2O @ 50%"] in [r[1:4] for r in rows]
 
 
 def test_bootstrap_intervals_and_pvalues():

@@ -53,10 +53,10 @@ def test_rows_are_aligned_on_the_full_caches_samples_and_others_are_marked(repor
     assert not table.at[("0.5", "snapkv"), "passkey:best"]
     assert "tiny / snapkv / 0.5 was scored on other samples than the full cache in passkey (n = 2)" in err
     header, rows = md_rows(report / "report" / "tables" / "passkey.md")
-    n_of = {r[2]: r[3] for r in rows}
-    assert header[3] == "n" and n_of["Full Cache"] == "6" and n_of["SnapKV"] == "2"
-    snapkv = next(r for r in rows if r[2] == "SnapKV")
-    assert "‡" in snapkv[4]
+    n_of = {r[3]: r[4] for r in rows}  # Model, Budget, Kept, Method, n, ...
+    assert header[4] == "n" and n_of["Full Cache"] == "6" and n_of["SnapKV"] == "2"
+    snapkv = next(r for r in rows if r[3] == "SnapKV")
+    assert "‡" in snapkv[5]
     text = (report / "report" / "tables" / "passkey.md").read_text()
     assert "‡: scored on other samples than the full cache" in text and PAIRED_TEST in text
     assert "## Caveats" in (report / "report" / "report.md").read_text()
