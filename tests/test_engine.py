@@ -83,6 +83,19 @@ def test_batch_of_two_with_left_padding_equals_batch_of_one(tiny_model, method):
         assert a.kept_per_layer_head == b.kept_per_layer_head
 
 
+def test_repeated_rows_are_prefilled_once_and_decode_as_rows_alone(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, KeepEveryOther(), Budget("fraction", 0.5))
+    first, second = prompts([40, 33], tiny_model.config.vocab_size, seed=2)
+    calls = []
+    prefill_row = engine._prefill_row
+    monkeypatch.setattr(engine, "_prefill_row", lambda *a: calls.append(len(a[0])) or prefill_row(*a))
+    together = engine.generate([first, second, first], max_new_tokens=10, stop_token_ids=set())
+    assert calls == [40, 33]  # the third row is the first one's copy
+    alone = engine.generate([first], max_new_tokens=10, stop_token_ids=set())[0]
+    assert together[0].tokens == together[2].tokens == alone.tokens
+    assert together[2].kept_per_layer_head == alone.kept_per_layer_head
+
+
 def test_compressed_cache_really_shrinks_and_keeps_kv_heads(tiny_model):
     engine = Engine(tiny_model, LastN(), Budget("fraction", 0.25))
     prompt = prompts([64], tiny_model.config.vocab_size)[0]

@@ -138,17 +138,25 @@ class Efficiency(Task):
     def _latency_cell(self, sample: Sample, prompt: list[int], engine: Engine, full: Engine) -> list[dict]:
         batch = [prompt] * sample.meta["batch_size"]
         rows = []
-        for system in SYSTEMS:
-            run = {"method": lambda: self._time_engine(engine, batch, detail=True),
-                   "full": lambda: self._time_engine(full, batch, detail=False),
-                   # plain generate's cache holds the same slots as kvbench's full cache (measured just before)
-                   "bare": lambda: self._time_bare(engine.model, batch, rows[-1]["kv_bytes_read_per_step"])}[system]
-            for _ in range(self.warmup):
-                run()
-            for repeat in range(self.repeats):
+        full_bytes_read = []  # plain generate's cache holds the same slots as kvbench's full cache
+
+        def timed(system: str) -> dict:
+            if system == "bare":
+                return self._time_bare(engine.model, batch, full_bytes_read[-1])
+            timings = self._time_engine(engine if system == "method" else full, batch, detail=system == "method")
+            if system == "full":
+                full_bytes_read.append(timings["kv_bytes_read_per_step"])
+            return timings
+
+        for _ in range(self.warmup):
+            for system in SYSTEMS:
+                timed(system)
+        # repeats interleave the systems, so that a drift of the machine (clocks, a busy host) touches all three
+        for repeat in range(self.repeats):
+            for system in SYSTEMS:
                 rows.append({"sample_id": f"{sample.id}-{system}-{repeat}", "dataset": sample.meta["dataset"],
                              "system": system, "repeat": repeat, "prompt_length": len(prompt),
-                             "batch_size": len(batch), "output_tokens": self.new_tokens, **run()})
+                             "batch_size": len(batch), "output_tokens": self.new_tokens, **timed(system)})
         return rows
 
     def _time_engine(self, engine: Engine, batch: list[list[int]], detail: bool) -> dict:
