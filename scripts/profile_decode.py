@@ -30,6 +30,21 @@ def configs(model: str, method: str):
     return cfg.model, instantiate(cfg.method)
 
 
+def setup(parser: argparse.ArgumentParser, steps: int, top: int):
+    """The profilers' shared arguments, the model they name and a random prompt of ``--length`` tokens."""
+    parser.add_argument("--model", default="llama3.1-8b-shape-random")
+    parser.add_argument("--methods", default="full,h2o")
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--top", type=int, default=top)
+    args = parser.parse_args()
+    model_cfg, _ = configs(args.model, "full")
+    lm = models.load(model_cfg)
+    prompt = torch.randint(0, len(lm.tokenizer), (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
+    return args, model_cfg, lm, prompt
+
+
 def steps(session, runner, count: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -57,17 +72,7 @@ def kernel_table(prof, count: int, top: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama3.1-8b-shape-random")
-    parser.add_argument("--methods", default="full,h2o")
-    parser.add_argument("--length", type=int, default=32768)
-    parser.add_argument("--budget", type=float, default=0.2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--top", type=int, default=18)
-    args = parser.parse_args()
-    model_cfg, _ = configs(args.model, "full")
-    lm = models.load(model_cfg)
-    prompt = torch.randint(0, len(lm.tokenizer), (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
+    args, _, lm, prompt = setup(argparse.ArgumentParser(), steps=8, top=18)
     for name in args.methods.split(","):
         _, method = configs(args.model, name)
         for graphs in (False, True):

@@ -12,27 +12,17 @@ import pstats
 
 import torch
 
-from kvbench import models
 from kvbench.attention import attach
 from kvbench.budget import Budget
 from kvbench.engine import Engine
-from scripts.profile_decode import configs
+from scripts.profile_decode import configs, setup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama3.1-8b-shape-random")
-    parser.add_argument("--methods", default="full,h2o")
-    parser.add_argument("--length", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--top", type=int, default=22)
-    args = parser.parse_args()
-    model_cfg, _ = configs(args.model, "full")
-    lm = models.load(model_cfg)
-    prompt = torch.randint(0, len(lm.tokenizer), (args.length,), generator=torch.Generator().manual_seed(0)).tolist()
+    args, model_cfg, lm, prompt = setup(argparse.ArgumentParser(), steps=10, top=22)
     for name in args.methods.split(","):
         _, method = configs(args.model, name)
-        session = Engine(lm.model, method, Budget("fraction", 0.2)).prefill([prompt], 2 * args.steps + 4)
+        session = Engine(lm.model, method, Budget("fraction", args.budget)).prefill([prompt], 2 * args.steps + 4)
         with attach(lm.model, model_cfg.attn_implementation):
             for _ in range(3):
                 session.feed(session.logits.argmax(-1).view(-1, 1))
