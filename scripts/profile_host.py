@@ -1,6 +1,6 @@
 """Where an eager decode step's host time goes (Python + dispatch), per method: cProfile of a few steps.
 
-    python scripts/profile_host.py --model llama3.1-8b-shape-random --methods full,h2o --length 32768
+    python -m scripts.profile_host --model llama3.1-8b-shape-random --methods full,h2o --length 32768
 """
 
 from __future__ import annotations
