@@ -68,6 +68,7 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
+EXPANSIONS = ("bias",)
 STATE = ("s_glo", "s_loc_past", "s_loc_cur", "s_loc_cur_queries", "merged_mass", "merged_tokens")
 
 
@@ -102,6 +103,7 @@ class EMS(Method):
     similarity: str = "key_value"
     positions: str = "without"
     multiplicity_bias: bool = True
+    expansion: str = "bias"
     compress_during_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class EMS(Method):
             raise ConfigError(f"ems: similarity '{self.similarity}'; accepted: {', '.join(SIMILARITIES)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"ems: positions '{self.positions}'; accepted: {', '.join(POSITIONS)}")
+        if self.expansion not in EXPANSIONS:
+            raise ConfigError(f"ems: expansion '{self.expansion}'; accepted: {', '.join(EXPANSIONS)}")
 
     # -- engine hooks ---------------------------------------------------------------------------------
 
