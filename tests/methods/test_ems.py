@@ -465,3 +465,22 @@ def test_engine_keeps_rows_at_budget_while_decoding(tiny_model, positions):
         assert (session.cache.lengths() == 24).all()
     kv = session.cache.kv(0)
     assert (kv.positions.amax(-1) == torch.tensor([90 + 11, 57 + 11]).view(2, 1)).all()
+    # the LUT is stored: (gamma - 1) * 24 = 72 members a head, 20 bytes each (two int64 positions, a float32 norm)
+    assert kv.tables["lut_position"].shape[-1] == 72 and kv.table_bytes == 72 * 20
+    heads = kv.lengths.shape[1]
+    expected = sum(24 * heads * layer.kv.slot_bytes + heads * layer.kv.table_bytes for layer in session.cache.layers)
+    assert session.cache.row_bytes().tolist() == [expected, expected]
+
+
+def test_engine_lut_with_cache_length_positions_and_prompt_chunks(tiny_model):
+    # RoPE at the cache length (members rotated by their offset from the centre) and a chunked prompt (the
+    # later chunks attend the expanded cache): finite, at budget, the same as the bias variant when nothing merges
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, tiny_model.config.vocab_size, (n,), generator=g).tolist() for n in (70, 41)]
+    for kwargs in ({"position_mode": "cache_length"}, {"prefill_chunk_size": 16}):
+        engine = Engine(tiny_model, EMS(window=4, positions="with"), Budget("tokens", 16), **kwargs)
+        gens = engine.generate(prompts, max_new_tokens=6, stop_token_ids=set())
+        assert all(len(gen.tokens) == 6 and gen.kept_per_layer_head == [[16] * 2] * 2 for gen in gens)
+    lut = Engine(tiny_model, EMS(window=4, gamma=1), Budget("tokens", 16), prefill_chunk_size=16)
+    bias = Engine(tiny_model, EMS(window=4, gamma=1, expansion="bias"), Budget("tokens", 16), prefill_chunk_size=16)
+    assert [g.tokens for g in lut.generate(prompts, 6, set())] == [g.tokens for g in bias.generate(prompts, 6, set())]
