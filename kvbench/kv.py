@@ -282,7 +282,7 @@ class Expansion:
         folded = {}
         for name, s in stats.items():
             slot = self.slot.repeat_interleave(s.shape[1] // self.slot.shape[1], dim=1)
-            folded[name] = s.new_zeros(*s.shape[:2], capacity).scatter_add_(2, slot[..., :s.shape[-1]], s)
+            folded[name] = s.new_zeros(*s.shape[:2], capacity).scatter_add_(2, slot, s)
         return folded
 
 
