@@ -20,7 +20,10 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   per-slot ``logit_bias``, step attention from the same pass), over the whole capacity while a CUDA graph is
   captured;
 - a pass of several queries over a non-empty cache (a suffix, a prompt chunk, a teacher-forced chunk) runs
-  ``ragged_attention`` with the causal rule on stored positions.
+  ``ragged_attention`` with the causal rule on stored positions;
+- a method that expands its stored slots at attention time (``Method.expands_slots``: EMS's look-up table)
+  has the two cached paths above read its ``Method.expand`` entries instead, over their whole (static)
+  capacity, the statistics summed back onto the stored slots (``Expansion.fold``).
 After the attention, the engine's ``after_layer`` hook (per-layer prompt compression) runs if it set one.
 """
 
@@ -106,22 +109,28 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
 
 
 def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan: PassPlan, kwargs):
-    """A pass over a layer that already holds tokens (this pass's tokens are written into it)."""
-    kv = layer.kv
+    """A pass over a layer that already holds tokens (this pass's tokens are written into it).
+
+    A method that expands its stored slots (``Method.expand``) has attention read the expansion instead, over
+    its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots."""
+    expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv)
+    kv = layer.kv if expansion is None else expansion.kv
+    static_shapes = plan.static_shapes or expansion is not None
     wanted = plan.wanted & ATTENTION_STATS
     bias = kv.state.get(LOGIT_BIAS)
     q = query.shape[2]
     if q == 1:
-        aligned = None if plan.static_shapes else layer.aligned
+        aligned = None if static_shapes else layer.aligned
         if aligned is not None and bias is None and not wanted:
             output, _ = base(module, query, kv.keys[:, :, :aligned], kv.values[:, :, :aligned], None,
                              scaling=scaling, **kwargs)
             return output, {}
-        span = kv.capacity if plan.static_shapes else layer.longest
+        span = kv.capacity if static_shapes else layer.longest
         output, step = decode_attention(query, kv.keys, kv.values, kv.lengths, kv.positions, plan.query_positions,
                                         scaling, span, want_step="step_attention" in wanted, key_bias=bias)
-        return output.transpose(1, 2), {} if step is None else {"step_attention": step}
-    t = layer.longest
+        stats = {} if step is None else {"step_attention": step}
+        return output.transpose(1, 2), stats if expansion is None else expansion.fold(stats, layer.kv.capacity)
+    t = kv.capacity if expansion is not None else layer.longest
     valid = torch.arange(t, device=query.device).view(1, 1, -1) < kv.lengths.unsqueeze(-1)
     output, stats = ragged_attention(
         query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
@@ -129,8 +138,11 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
         want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
         key_bias=None if bias is None else bias[:, :, :t], want_query_column_sums="query_column_sums" in wanted,
     )
+    output = output.transpose(1, 2).contiguous()
+    if expansion is not None:
+        return output, expansion.fold(stats, layer.kv.capacity)
     pad = kv.capacity - t  # statistics are aligned with the whole storage the method receives
-    return output.transpose(1, 2).contiguous(), {name: F.pad(s, (0, pad)) for name, s in stats.items()}
+    return output, {name: F.pad(s, (0, pad)) for name, s in stats.items()}
 
 
 def _make_attention(impl: str):
@@ -181,16 +193,28 @@ def attach(model, impl: str):
         model.set_attn_implementation(previous)
 
 
+def _rope(model, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The model's RoPE cos and sin at ``positions`` (B, H, T), and rotate_half(keys), each (B, H, T, D)."""
+    B, H, T, D = keys.shape
+    cos, sin = model.model.rotary_emb(keys, positions.reshape(B, H * T))
+    cos, sin = cos.view(B, H, T, D).to(keys.dtype), sin.view(B, H, T, D).to(keys.dtype)
+    half = D // 2
+    return cos, sin, torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+
+
 def unrotate_keys(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Remove RoPE from cached keys (B, H, T, D) at their original positions (B, H, T).
 
     RoPE rotates each (x1, x2) pair by an angle; rotating by the negative angle gives the raw key back:
     raw = k*cos - rotate_half(k)*sin. Works for every rotate_half RoPE (Llama, Mistral, Qwen2), with scaling.
     """
-    B, H, T, D = keys.shape
-    rotary = model.model.rotary_emb
-    cos, sin = rotary(keys, positions.clamp(min=0).reshape(B, H * T))
-    cos, sin = cos.view(B, H, T, D).to(keys.dtype), sin.view(B, H, T, D).to(keys.dtype)
-    half = D // 2
-    rotated = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+    cos, sin, rotated = _rope(model, keys, positions.clamp(min=0))
     return keys * cos - rotated * sin
+
+
+def rotate_keys(model, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rotate keys (B, H, T, D) further by RoPE at ``offsets`` (B, H, T), of any sign: rotations compose, so a
+    key RoPE'd at p comes out RoPE'd at p + offset (times the RoPE's attention scaling, which callers that keep
+    norms divide out)."""
+    cos, sin, rotated = _rope(model, keys, offsets)
+    return keys * cos + rotated * sin

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, Expansion, LayerKV
 
 
 @dataclass
@@ -34,6 +34,8 @@ class PassPlan:
     window:          queries behind ``window_column_sums``.
     after_layer:     called with the layer index right after its attention (per-layer prompt compression).
     static_shapes:   no host-known length may shape a kernel (a CUDA graph is being captured).
+    expand:          (layer index, stored cache) -> the entries attention reads instead of the stored slots, or
+                     None for the slots themselves (``Method.expand``); None for methods that never expand.
     """
 
     query_positions: Tensor
@@ -42,6 +44,7 @@ class PassPlan:
     window: int = 0
     after_layer: Callable[[int], None] | None = None
     static_shapes: bool = False
+    expand: Callable[[int, LayerKV], Expansion | None] | None = None
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -74,7 +77,9 @@ class CompressedLayer(CacheLayerMixin):
         """Install a compressed cache during decoding: copied into the existing storage when it fits (a
         captured CUDA graph keeps reading the same tensors), else adopted."""
         old = self.kv
-        if kv.capacity > old.capacity or set(kv.state) != set(old.state):
+        tables = {name: t.shape for name, t in kv.tables.items()}
+        if kv.capacity > old.capacity or set(kv.state) != set(old.state) or tables != {
+                name: t.shape for name, t in old.tables.items()}:
             kv.pack_state()
             self.adopt(kv)
             return
@@ -82,6 +87,8 @@ class CompressedLayer(CacheLayerMixin):
         for mine, theirs in ((old.keys, kv.keys), (old.values, kv.values), (old.positions, kv.positions),
                              *((old.state[name], s) for name, s in kv.state.items())):
             mine[:, :, :t] = theirs
+        for name, table in kv.tables.items():
+            old.tables[name].copy_(table)
         old.lengths.copy_(kv.lengths)
         old.zero_padding()
         self._mirror(kv.lengths.cpu().numpy().copy())
@@ -171,8 +178,9 @@ class CompressedCache(Cache):
         return torch.from_numpy(np.stack([layer.host_lengths for layer in self.layers]))
 
     def row_bytes(self) -> np.ndarray:
-        """(B,) K+V bytes of every row's real slots, all layers (host mirror)."""
-        return sum(layer.host_lengths.sum(-1) * layer.kv.slot_bytes for layer in self.layers)
+        """(B,) K+V bytes of every row's real slots and its tables, all layers (host mirror)."""
+        return sum(layer.host_lengths.sum(-1) * layer.kv.slot_bytes + layer.host_lengths.shape[-1] *
+                   layer.kv.table_bytes for layer in self.layers)
 
     def nbytes(self) -> int:
         return sum(layer.kv.nbytes() for layer in self.layers)

@@ -28,12 +28,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvbench.attention import attach, unrotate_keys
+from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.errors import ConfigError
@@ -160,7 +161,7 @@ class Session:
         observing = method.compress_during_decode
         plan = PassPlan(query_positions=index, num_queries=torch.full((B,), q, device=tokens.device),
                         wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window,
-                        static_shapes=static_shapes)
+                        static_shapes=static_shapes, expand=engine.expand)
         logits = engine._forward(tokens, index, engine._rope_positions(self.cache, index), self.cache, plan)
         self.next_index += q  # in place: a captured decode step keeps reading the same tensor
         self.logits = logits[:, -1]
@@ -239,6 +240,8 @@ class Engine:
             raise ConfigError(f"engine.cuda_graphs=true needs a CUDA model; this one is on {self.device}")
         self.cuda_graphs = cuda_graphs
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
+        self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
 
     def with_method(self, method: Method, budget: Budget) -> "Engine":
         """The same model and engine settings with another method and budget (reference systems)."""
@@ -338,7 +341,7 @@ class Engine:
 
             plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
                             wanted=method.needs, window=method.window,
-                            after_layer=compress_layer if per_layer else None)
+                            after_layer=compress_layer if per_layer else None, expand=self.expand)
             if per_layer:
                 session.layer_n_keep = layer_n_keep.to(self.device)
             logits = self._forward(tokens[:, start:stop], index, index, cache, plan, logits_to_keep=1)
@@ -408,6 +411,7 @@ class Engine:
                 positions=first.positions.new_full((B, H, capacity), -1),
                 lengths=torch.cat([part.kv.lengths for part in parts]),
                 state={name: s.new_zeros(B, H, capacity) for name, s in first.state.items()},
+                tables={name: self._stacked_table([part.kv.tables[name] for part in parts]) for name in first.tables},
             )
             for b, part in enumerate(parts):
                 t = part.kv.capacity
@@ -431,6 +435,12 @@ class Engine:
             kv_bytes_full=[b for row in rows for b in row.kv_bytes_full],
             kv_bytes_compressed=[b for row in rows for b in row.kv_bytes_compressed],
         )
+
+    @staticmethod
+    def _stacked_table(rows: list[Tensor]) -> Tensor:
+        """The rows' (1, H, E_row) tables as one batch table, each padded with unused entries (-1) to the largest."""
+        size = max(t.shape[-1] for t in rows)
+        return torch.cat([torch.nn.functional.pad(t, (0, size - t.shape[-1]), value=-1) for t in rows])
 
     @staticmethod
     def _token_bytes(cache: CompressedCache) -> int:

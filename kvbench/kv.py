@@ -25,6 +25,10 @@ class LayerKV:
     lengths:      (B, H_kv) long, number of real slots per row.
     state:        name -> (B, H_kv, T) per-slot method state (accumulated attention, merge mass, ...);
                   it moves with its slot on every gather and new slots start at zero.
+    tables:       name -> (B, H_kv, E) per-row tables a method keeps beside its slots (EMS's look-up table of
+                  merged members). Entries name slots by position, never by index, so tables do not move with
+                  slots: every gather, resize and removal carries them unchanged; -1 marks an unused entry.
+                  A table has a fixed size E, all of it counted in the cache's bytes.
     state_block:  (S, B, H_kv, T) float32 when every state entry is a view of it (``pack_state``: the
                   engine's decode storage), so that an in-place slot move takes one operation for all states.
     """
@@ -34,6 +38,7 @@ class LayerKV:
     positions: Tensor
     lengths: Tensor
     state: dict[str, Tensor] = field(default_factory=dict)
+    tables: dict[str, Tensor] = field(default_factory=dict)
     state_block: Tensor | None = field(default=None, repr=False)
     _state_views: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -62,6 +67,7 @@ class LayerKV:
             positions=self.positions.gather(2, idx),
             lengths=lengths.to(self.lengths),
             state={name: s.gather(2, idx) for name, s in self.state.items()},
+            tables=self.tables,
         )
         kv.zero_padding()
         return kv
@@ -191,14 +197,20 @@ class LayerKV:
         """Bytes of one slot's key and value (one head)."""
         return self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of one head's tables, every entry (a table has a fixed size)."""
+        return sum(t.shape[-1] * t.element_size() for t in self.tables.values())
+
     def nbytes(self, row: int | None = None) -> int:
-        """Bytes of K and V in real slots (the logical cache size), of every row or of batch row ``row``."""
+        """Bytes of K and V in real slots plus the tables (the logical cache size), of every row or of batch
+        row ``row``."""
         lengths = self.lengths if row is None else self.lengths[row]
-        return int(lengths.sum()) * self.slot_bytes
+        return int(lengths.sum()) * self.slot_bytes + lengths.numel() * self.table_bytes
 
     def allocated_bytes(self) -> int:
-        """Bytes of the K and V tensors as allocated (padding included)."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """Bytes of the K and V tensors as allocated (padding included), plus the tables."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, *self.tables.values()))
 
     @classmethod
     def from_dense(cls, keys: Tensor, values: Tensor, positions: Tensor | None = None) -> "LayerKV":
@@ -250,6 +262,28 @@ class AttentionStats:
         return AttentionStats(column_sums=fix(self.column_sums), window_column_sums=fix(self.window_column_sums),
                               step_attention=fix(self.step_attention), raw_keys=self.raw_keys,
                               query_column_sums=fix(self.query_column_sums), num_queries=self.num_queries)
+
+
+@dataclass
+class Expansion:
+    """What the attention of a pass reads instead of a layer's stored slots (``Method.expand``).
+
+    kv:   the attended entries, left-aligned ragged rows (B, H_kv, C) with their lengths (no state, no tables).
+    slot: (B, H_kv, C) long, the stored slot each entry stands for: the pass's statistics over the entries
+          are summed onto it (``fold``), so the method sees them per stored slot as ever.
+    """
+
+    kv: LayerKV
+    slot: Tensor
+
+    def fold(self, stats: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
+        """(B, H, C) statistics of the entries -> (B, H, capacity) of the stored slots; per-query-head ones
+        (H_q rows) follow their KV head's slots."""
+        folded = {}
+        for name, s in stats.items():
+            slot = self.slot.repeat_interleave(s.shape[1] // self.slot.shape[1], dim=1)
+            folded[name] = s.new_zeros(*s.shape[:2], capacity).scatter_add_(2, slot, s)
+        return folded
 
 
 # A per-slot state a method may keep: added to the attention logit of the slot for every query (e.g. log of a

@@ -9,11 +9,15 @@ Capabilities are class data, read by the engine: ``needs`` (statistics the engin
 ``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
 ``budget_basis`` (what a fractional budget is a fraction of), ``budget_needs`` (statistics
 ``layer_budgets`` reads: such a method cannot compress a layer before every layer has run),
-``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place).
+``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``expands_slots``
+(attention reads ``expand``'s entries instead of the stored slots; a property, since it may depend on the
+method's configuration: EMS with its look-up table). The engine asks ``expand`` only of a method that
+declares it, so no other method pays anything.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kv import STAT_NAMES, AttentionStats, LayerKV
+from kvbench.kv import STAT_NAMES, AttentionStats, Expansion, LayerKV
 
 PHASES = frozenset({"prefill", "decode"})
 BUDGET_BASES = ("prompt", "prompt_plus_generation")
@@ -64,6 +68,11 @@ class Method:
         """Number of trailing queries behind ``window_column_sums`` (methods with a window override)."""
         return 0
 
+    @property
+    def expands_slots(self) -> bool:
+        """Whether attention reads ``expand``'s entries instead of the stored slots."""
+        return False
+
     def needed_stats(self, phase: str) -> frozenset[str]:
         if phase == "prefill":
             return self.needs
@@ -102,6 +111,14 @@ class Method:
         slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` with
         a chosen slot), writing ``kv`` in place. Must give the same cache, up to slot order, as ``compress``
         (tests compare the two), and must not read device values back (it runs inside CUDA graphs)."""
+        raise NotImplementedError
+
+    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
+        """The entries every pass over layer ``layer``'s stored cache ``kv`` attends instead of its slots (asked
+        only when ``expands_slots``), or None for the slots themselves. ``rotate(keys, offsets)`` rotates
+        post-RoPE keys (B, H, E, D) by the model's RoPE at ``offsets`` (B, H, E), of any sign. Statistics the
+        method asked for come back per stored slot, summed over the entries that stand for it. Must keep
+        static shapes and read no device value back (it runs inside decode steps and CUDA graphs)."""
         raise NotImplementedError
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:

@@ -13,25 +13,43 @@ Decoding (every step): the token leaving the local window becomes a centre and t
 becomes the TBM token, merged into its most redundant other centre or evicted. Here that is the same
 partition run on the row's N_budget + 1 slots, so prefill and decode share one code path.
 
-Shared entry expansion, as this engine supports it [I]. The paper stores N_budget entries plus a position
-look-up table (LUT) and, inside attention, expands each centre to one key per member: ||k_j|| * k_hat_c,
-RoPE'd at pos_j ("w. pos") or at the centre's position ("w.o. pos"). This engine's attention reads only the
-stored slots and calls no method hook, so the LUT expansion is NOT implemented. Each centre instead stores
-the score-weighted MEAN of its members' expanded keys,
-    key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),   k_hat_c = normalise(sum_j w_j k_j_raw / ||k_j_raw||),
-with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
-so the entry's attention logit is exactly the weighted mean of the logits the expanded members would get.
-RoPE at a member's position is read off that member's own raw/rotated key pair (``rotate_like``).
-Multiplicity (``multiplicity_bias``, [I]): expanded, a cluster of m members takes m softmax shares, one per
-member whatever its merge weight (the weights only shape the shared direction and the value). With
-``multiplicity_bias=true`` (default) the entry keeps the per-slot ``state["logit_bias"] = log m``, m = the
-plain count of original tokens it stands for (not a score-weighted effective count: every expanded member
-is one share), carried through decode merges (counts add; zero-class members are gone and do not count), so
-its softmax weight is m * exp(mean logit): exactly the expanded cluster's when its members' logits coincide
-(e.g. "w.o. pos" with equal norms), where an unbiased entry gets 1/m of it. What is still lost: the spread
-of the members' logits (m * exp(mean) is not the sum of their exps), and with ``multiplicity_bias=false``
-the multiplicity itself (one share per cluster).
-k_hat_c is renormalised to unit length (the paper does not say) so that members keep their norms exactly.
+Shared entry expansion (``expansion``). What the paper specifies [P §4.2, App. A, §5.4]: N_budget stored
+entries per head plus, per token, its key norm ||k_j|| and a position look-up table (LUT) mapping each
+merged token to its class centre; "during the computation of each layer, a smaller cache is loaded and
+expanded with the help of this table" to about gamma * N_budget tokens: member j of centre c gets the key
+||k_j|| * k_hat_c, RoPE'd after expansion (merging is done on raw keys), and the value v_c; the zero class is
+eviction. With both variants k_hat_c = normalise(sum_j w_j k_j_raw / ||k_j_raw||) (renormalised: the paper
+does not say; so members keep their norms exactly).
+- ``lut`` (default), the paper's way. A merged entry's stored key is its centre's own expanded key
+  ||k_c|| * RoPE_{p_c}(k_hat_c) (RoPE at the centre's position read off its own raw/rotated key pair,
+  ``rotate_like``); the LUT (``LayerKV.tables``) holds, per member that is not its entry's own token,
+  its position p_j, its centre's position p_c and its norm ||k_j||. ``expand`` (asked by the engine's
+  attention for every pass over a compressed layer, ``Method.expand``) appends every member as
+  ||k_j|| * unit(RoPE_{p_j - p_c}(key_c)) ("w. pos" [I]: at its own position; under
+  ``engine.position_mode=cache_length`` at its offset from the centre's RoPE position) or ||k_j|| * unit(key_c)
+  ("w.o. pos" [I]: at the centre's), with v_c; so a cluster takes sum_j exp(l_j) of the softmax. Zero-class
+  tokens are never in the table (masked: not a zero key, which would take softmax mass). The statistics of a
+  pass (s_Glo, s_Loc) reach a stored entry summed over its expanded members (the cluster's attention mass).
+  The LUT has a fixed size per head, (gamma - 1) * N_budget entries (the TBM tokens of a full prefill;
+  gamma = inf: the prefill's TBM count), all counted in the cache's bytes (20 bytes an entry: two int64
+  positions and a float32 norm) besides the N_budget K/V slots.
+  What the paper leaves open (§2.g.4): at decode, "we need to evict one element from the look-up-table and
+  fill the new mapping", without saying which. Reading [I]: a decode step's TBM centre either joins its
+  destination's cluster (it and its members re-point to the destination, the centre itself becomes one new
+  LUT element) or goes to the zero class with its members (their elements are freed); when the table is full,
+  the element evicted is a free (zero-class) one if any, else the member with the oldest position (the LUT
+  keeps its newest members). The same rule applies to any compression (prefill chunks, multi-token passes).
+  Expansion has static shapes (stored capacity + LUT size, masked, no host read), so decode steps stay
+  capturable; EMS's every-step ``compress`` runs eagerly anyway.
+- ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
+    key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
+  with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
+  so the entry's attention logit is exactly the weighted mean of the logits the expanded members would get.
+  With ``multiplicity_bias=true`` the entry keeps the per-slot ``state["logit_bias"] = log m``, m = the plain
+  count of original tokens it stands for, carried through decode merges (counts add; zero-class members are
+  gone), so its softmax weight is m * exp(mean logit): the expanded cluster's only when its members' logits
+  coincide; it is not sum_j exp(l_j) otherwise (on SmolLM2 activations the attention output differs by a
+  median 0.08%, p90 0.77%, max 22%). ``multiplicity_bias=false``: one share per cluster.
 
 Per-slot state (LayerKV.state, moves with the slot):
   s_glo                 accumulated attention from every query (prompt, then each decode step)
@@ -40,9 +58,11 @@ Per-slot state (LayerKV.state, moves with the slot):
   s_loc_cur_queries     queries summed into s_loc_cur (the same on every slot of a row)
   merged_mass           merge weight of the members absorbed into this entry; an entry's merge weight is
                         its current score + merged_mass, so clusters merged again at decode keep their mass
-  merged_tokens         original tokens merged into this entry besides its own (m - 1; new tokens start at 0)
-  logit_bias            log m, only with multiplicity_bias (see above); read by the engine's attention
-Key norms need no state: a stored key's norm is its members' weighted mean norm, and RoPE keeps norms.
+  merged_tokens         original tokens merged into this entry besides its own (m - 1; new tokens start at 0);
+                        with ``lut`` it counts merges, some of which the full LUT may have evicted since
+  logit_bias            log m, only with expansion=bias and multiplicity_bias (see above); read by attention
+Key norms need no state: a stored key's norm is its centre's own (lut) or its members' weighted mean (bias),
+and RoPE keeps norms; the LUT keeps the members' norms.
 
 Readings [I], see §2.g: merge weights are the pooled Global-Local score at prefill and score + merged_mass
 at decode; a merged entry keeps its centre's own s_Glo/s_Loc (it is ranked as the centre); pooling is applied
@@ -53,10 +73,12 @@ KV head with attention averaged over the group (the engine's statistics); cosine
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.errors import ConfigError
@@ -64,11 +86,16 @@ from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, redundancy, rotate_like
 from kvbench.kernels.select import pool1d
 from kvbench.kernels.similarity import unit_keys
-from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, Expansion, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
+EXPANSIONS = ("lut", "bias")
 STATE = ("s_glo", "s_loc_past", "s_loc_cur", "s_loc_cur_queries", "merged_mass", "merged_tokens")
+# The look-up table (LayerKV.tables), one entry per merged member that is not its entry's own token:
+LUT_POSITION = "lut_position"  # the member's original position (-1: unused)
+LUT_CENTRE = "lut_centre"  # original position of the stored slot (class centre) it is expanded from
+LUT_NORM = "lut_norm"  # the member's key norm ||k_j||
 
 
 def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
@@ -88,7 +115,8 @@ class EMS(Method):
     """window: L_win; kernel_size: mean pooling of the score; tau: merge threshold on R; gamma: merge
     magnification (N_budget + N_tbm) / N_budget (1 = eviction only, inf = no first-level eviction);
     similarity: key_value | key | value; positions: with | without (EMS w. pos / w.o. pos);
-    multiplicity_bias: add log(member count) to a merged entry's attention logit [I]."""
+    expansion: lut (the paper's look-up-table expansion at attention time) | bias (mean key + log m bias) [I];
+    multiplicity_bias: with expansion=bias, add log(member count) to a merged entry's attention logit [I]."""
 
     name: ClassVar[str] = "ems"
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "window_column_sums", "raw_keys"})
@@ -102,6 +130,7 @@ class EMS(Method):
     similarity: str = "key_value"
     positions: str = "without"
     multiplicity_bias: bool = True
+    expansion: str = "lut"
     compress_during_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -117,8 +146,45 @@ class EMS(Method):
             raise ConfigError(f"ems: similarity '{self.similarity}'; accepted: {', '.join(SIMILARITIES)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"ems: positions '{self.positions}'; accepted: {', '.join(POSITIONS)}")
+        if self.expansion not in EXPANSIONS:
+            raise ConfigError(f"ems: expansion '{self.expansion}'; accepted: {', '.join(EXPANSIONS)}")
+        if self.expansion == "lut" and not self.multiplicity_bias:
+            raise ConfigError("ems: multiplicity_bias=false only exists with expansion=bias (the LUT expands every "
+                              "member); accepted with expansion=lut: multiplicity_bias=true")
 
     # -- engine hooks ---------------------------------------------------------------------------------
+
+    @property
+    def expands_slots(self) -> bool:
+        return self.expansion == "lut"
+
+    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
+        """Stored slots, then every LUT member as ||k_j|| * unit(key_c) ("w.o. pos": at the centre's RoPE
+        position) or ||k_j|| * unit(RoPE_{p_j - p_c}(key_c)) ("w. pos": at its own), with its centre's value;
+        unused entries masked. Left-aligned over the static capacity T + E."""
+        if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
+            return None
+        position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
+        slot, live = self._centre_slots(kv)
+        D = kv.keys.shape[-1]
+        centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, D))
+        if self.positions == "with":
+            centre_keys = rotate(centre_keys, torch.where(live, position - centre, 0))
+        keys = (unit_keys(centre_keys) * norm.float().unsqueeze(-1)).to(kv.keys.dtype)
+        values = kv.values.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.values.shape[-1]))
+        stored = torch.arange(kv.capacity, device=slot.device).expand_as(kv.positions)
+        valid = torch.cat([kv.valid(), live], -1)
+        order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)  # attended entries first, in place order
+
+        def rows(stored_rows: Tensor, member_rows: Tensor) -> Tensor:
+            both = torch.cat([stored_rows, member_rows], 2)
+            index = order if both.dim() == 3 else order.unsqueeze(-1).expand(-1, -1, -1, both.shape[-1])
+            return both.gather(2, index)
+
+        view = LayerKV(keys=rows(kv.keys, keys), values=rows(kv.values, values),
+                       positions=rows(kv.positions, torch.where(live, position, -1)),
+                       lengths=kv.lengths + live.sum(-1))
+        return Expansion(view, rows(stored, slot))
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         valid = kv.valid()
@@ -129,7 +195,7 @@ class EMS(Method):
             s_loc = kv.state["s_loc_past"] + kv.state["s_loc_cur"]
             score = global_local_score(kv.state["s_glo"], s_loc, valid)
         raw_keys = stats.raw_keys
-        return self._evict_then_merge(kv, raw_keys, score, per_sample_n_keep(n_keep, kv))
+        return self._evict_then_merge(kv, raw_keys, score, per_sample_n_keep(n_keep, kv), int(n_keep.max()))
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into s_Glo and s_Loc^cur; roll the local window every
@@ -204,8 +270,9 @@ class EMS(Method):
         best, arg = R.max(-1)
         return torch.where(best >= self.tau, centres.gather(-1, arg), -1)
 
-    def _evict_then_merge(self, kv: LayerKV, raw_keys: Tensor, score: Tensor, n_keep: Tensor) -> LayerKV:
-        """Keep Loc + Imp (original order), merge redundant TBM slots into their centres, evict the rest."""
+    def _evict_then_merge(self, kv: LayerKV, raw_keys: Tensor, score: Tensor, n_keep: Tensor, budget: int) -> LayerKV:
+        """Keep Loc + Imp (original order), merge redundant TBM slots into their centres, evict the rest.
+        ``budget``: the largest N_budget of the batch (before clamping to short rows), which sizes the LUT."""
         valid = kv.valid()
         local, imp, tbm_slots, tbm_valid = self._partition(score, valid, kv.lengths, n_keep)
         kept = local | imp
@@ -234,7 +301,11 @@ class EMS(Method):
         out.state["merged_mass"] = torch.where(out.valid(), mass - own_score, 0.0)
         tokens = group_sum(kv.state["merged_tokens"] + 1, target, G)  # (B, H, G) original tokens per entry
         out.state["merged_tokens"] = torch.where(out.valid(), tokens - 1, 0.0)
-        if self.multiplicity_bias:
+        if self.expansion == "lut":
+            size = tbm_slots.shape[-1] if math.isinf(self.gamma) else math.floor((self.gamma - 1) * budget + 0.5)
+            lut = kv.tables.get(LUT_POSITION)
+            out.tables = self._lut(kv, target, index, out.positions, max(size, 0 if lut is None else lut.shape[-1]))
+        elif self.multiplicity_bias:
             out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
         merged = (members > 1).unsqueeze(-1)
         if not bool(merged.any()):  # every TBM slot went to the zero class: a plain gather
@@ -248,10 +319,46 @@ class EMS(Method):
         G = index.shape[-1]
         norms = kv.keys.float().norm(dim=-1, keepdim=True)  # (B, H, T, 1): RoPE keeps norms
         shared = unit_keys(scatter_merge(unit_keys(raw_keys), target, w, G))  # k_hat_c, renormalised
-        if self.positions == "without":
+        if self.positions == "without" or self.expansion == "lut":
             d_index = index.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1])
             at_centre = rotate_like(shared, raw_keys.gather(2, d_index), kv.keys.gather(2, d_index))
+            if self.expansion == "lut":  # the centre's own expanded key; its members are expanded at attention
+                return (at_centre * norms.gather(2, index.unsqueeze(-1))).to(kv.keys.dtype)
             return (at_centre * scatter_merge(norms, target, w, G)).to(kv.keys.dtype)
         d_target = target.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1])
         expanded = rotate_like(shared.gather(2, d_target), raw_keys, kv.keys) * norms  # (B, H, T, D)
         return scatter_merge(expanded, target, w, G).to(kv.keys.dtype)
+
+    # -- the look-up table -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _centre_slots(kv: LayerKV) -> tuple[Tensor, Tensor]:
+        """(B, H, E): the stored slot of every LUT member's centre (found by position), and whether the entry
+        is a member whose centre is stored (False on unused entries)."""
+        centre = kv.tables[LUT_CENTRE]
+        hit = (centre.unsqueeze(-1) == kv.positions.unsqueeze(-2)) & kv.valid().unsqueeze(-2)  # (B, H, E, T)
+        hit &= (centre >= 0).unsqueeze(-1)
+        return hit.to(torch.int8).argmax(-1), hit.any(-1)
+
+    def _lut(self, kv: LayerKV, target: Tensor, index: Tensor, centres: Tensor, size: int) -> dict[str, Tensor]:
+        """The LUT after a compression, ``size`` entries per head: members already in it follow their centre's
+        slot to the entry that slot went to, or leave with it (zero class, first-level eviction); slots merged
+        into another slot's entry join; the ``size`` newest members stay (see the module doc) [I].
+        ``target`` (B, H, T): entry of every input slot or -1; ``index`` (B, H, G): the slot each entry keeps;
+        ``centres`` (B, H, G): the entries' positions."""
+        slots = torch.arange(target.shape[-1], device=target.device)
+        joins = (target >= 0) & (index.gather(-1, target.clamp(min=0)) != slots)
+        groups, positions, norms = [torch.where(joins, target, -1)], [kv.positions], [kv.keys.float().norm(dim=-1)]
+        if LUT_POSITION in kv.tables:
+            slot, live = self._centre_slots(kv)
+            groups.append(torch.where(live, target.gather(-1, slot), -1))
+            positions.append(kv.tables[LUT_POSITION])
+            norms.append(kv.tables[LUT_NORM])
+        group, position, norm = (F.pad(torch.cat(x, -1), (0, max(0, size - sum(t.shape[-1] for t in x))), value=-1)
+                                 for x in (groups, positions, norms))
+        keep = torch.where(group >= 0, position, -1).topk(size, dim=-1).indices
+        group = group.gather(-1, keep)
+        live = group >= 0
+        return {LUT_POSITION: torch.where(live, position.gather(-1, keep), -1),
+                LUT_CENTRE: torch.where(live, centres.gather(-1, group.clamp(min=0)), -1),
+                LUT_NORM: torch.where(live, norm.gather(-1, keep), -1.0)}

@@ -37,6 +37,7 @@ CASES.update({
     "h2o_interval3": ("h2o", ["method.decode_interval=3"]),
     "cam_h2o": ("cam", ["method.eviction=h2o"]),
     "ems_with_positions": ("ems", ["method.positions=with", "method.window=4"]),
+    "ems_bias": ("ems", ["method.expansion=bias"]),
     "kvmerger_proportional": ("kvmerger", ["method.value_scaling=proportional", "method.epsilon=0.1"]),
     "kvmerger_merging": ("kvmerger", ["method.epsilon=0.1"]),
     "chelsea_interval4": ("chelsea", ["method.sinks=2", "method.recent=4", "method.chunk_size=8",
