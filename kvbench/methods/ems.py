@@ -336,9 +336,13 @@ class EMS(Method):
         """(B, H, E): the stored slot of every LUT member's centre (found by position), and whether the entry
         is a member whose centre is stored (False on unused entries)."""
         centre = kv.tables[LUT_CENTRE]
-        hit = (centre.unsqueeze(-1) == kv.positions.unsqueeze(-2)) & kv.valid().unsqueeze(-2)  # (B, H, E, T)
-        hit &= (centre >= 0).unsqueeze(-1)
-        return hit.to(torch.int8).argmax(-1), hit.any(-1)
+        # a binary search in the stored positions (each real position in one slot): O((E + T) log T), where
+        # comparing every entry with every slot would hold an (E x T) mask per head at each step
+        stored = torch.where(kv.valid(), kv.positions, torch.iinfo(kv.positions.dtype).max)
+        sorted_positions, order = stored.sort(dim=-1)
+        at = torch.searchsorted(sorted_positions, centre.to(stored.dtype).contiguous()).clamp(max=stored.shape[-1] - 1)
+        live = (sorted_positions.gather(-1, at) == centre) & (centre >= 0)
+        return torch.where(live, order.gather(-1, at), 0), live
 
     def _lut(self, kv: LayerKV, target: Tensor, index: Tensor, centres: Tensor, size: int) -> dict[str, Tensor]:
         """The LUT after a compression, ``size`` entries per head: members already in it follow their centre's
