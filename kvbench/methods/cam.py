@@ -133,11 +133,11 @@ class CaM(Method):
         total = torch.where(real, attention.gather(2, targets), 0.0).sum(-1, keepdim=True)
         prob = merge_probability(attention.gather(2, evicted), total, real.sum(-1, keepdim=True))
         share = self._merge_mask(layer, kv, prob, kv.positions.gather(2, evicted)) / self.merge_tokens
-        at_targets = targets.unsqueeze(-1).expand(-1, -1, -1, kv.values.shape[-1])
-        gift = kv.values.gather(2, evicted.unsqueeze(-1).expand(-1, -1, 1, kv.values.shape[-1])).float() * \
-            share.unsqueeze(-1)  # m_e x_e / n: x_e is the slot's value, earlier merges included
+        width = kv.values.shape[-1]
+        x_e = kv.values.gather(2, evicted.unsqueeze(-1).expand(-1, -1, 1, width)).float()  # earlier merges included
+        at_targets = targets.unsqueeze(-1).expand(-1, -1, -1, width)
         received = kv.values.gather(2, at_targets).float()
-        received = torch.where(real.unsqueeze(-1), received + gift, received)
+        received = torch.where(real.unsqueeze(-1), received + x_e * share.unsqueeze(-1), received)
         kv.values.scatter_(2, at_targets, received.to(kv.values.dtype))
         kv.remove_slot(victim)
 
@@ -171,8 +171,8 @@ class CaM(Method):
 
 
 def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:
-    """p_e = min(1, a_e / mean a of its ``count`` targets (their sum ``total``)); 1 if a_e > 0 = the mean (0/0:
-    0); 0 without targets. Broadcasting tensors of the same shape."""
+    """p_e = min(1, a_e / mean), the mean a of e's ``count`` targets being ``total / count``; a zero mean gives 1
+    if a_e > 0, else 0; no targets give 0. Tensors broadcast against each other."""
     mean = total / count.clamp(min=1)
     ratio = torch.where(mean > 0, score / mean.clamp(min=torch.finfo(torch.float32).tiny), (score > 0).float())
     return torch.where(count > 0, ratio.clamp(0, 1), 0.0)
