@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
+from kvbench.kernels.slots import evict_lowest, move_last_into, next_slots, select_lowest
 
 
 @dataclass
@@ -178,12 +178,21 @@ class LayerKV:
             block = self.keys.new_zeros((0, *self.positions.shape), dtype=torch.float32)
         move_last_into(victim, self.lengths, self.keys, self.values, self.positions, block)
 
+    def lowest_slot(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> Tensor:
+        """(B, H) each row's lowest-scoring slot outside its first ``sinks`` slots and its ``recent`` newest
+        positions ((B, H) each; ties to the oldest position; ``kernels.slots.select_lowest``)."""
+        return select_lowest(scores, self.lengths, self.positions, sinks, recent)
+
+    def next_slots(self, slot: Tensor, count: int) -> tuple[Tensor, Tensor]:
+        """The slots holding the ``count`` positions after slot ``slot`` (B, H) of each row, oldest first, and
+        whether each is real (``kernels.slots.next_slots``)."""
+        return next_slots(self.positions, self.lengths, slot, count)
+
     def evict_lowest(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> None:
-        """Remove, in place, each row's lowest-scoring slot outside its first ``sinks`` slots and its
-        ``recent`` newest positions ((B, H) each; ``kernels.slots.select_lowest``)."""
+        """Remove, in place, the slot ``lowest_slot`` picks (one launch in Triton when the state is packed)."""
         block = self.packed_state()
         if block is None:
-            self.remove_slot(select_lowest(scores, self.lengths, self.positions, sinks, recent))
+            self.remove_slot(self.lowest_slot(scores, sinks, recent))
         else:
             evict_lowest(scores, self.lengths, self.positions, sinks, recent, self.keys, self.values, block)
 

@@ -12,7 +12,7 @@ from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.graphs import DecodeGraph
 from tests.conftest import tiny_model_config
-from tests.test_decode_paths import METHODS, build, random_prompts
+from tests.test_decode_paths import CASES, build, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -40,7 +40,7 @@ def decode(engine: Engine, prompts, steps: int, tokens: list | None = None, grap
     return logits, fed, runner
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", CASES)
 def test_cuda_graph_steps_compute_what_eager_steps_compute(cuda_model, name):
     prompts = random_prompts([45, 30], cuda_model.config.vocab_size)
     engine = Engine(cuda_model, build(name), Budget("tokens", 12))
@@ -54,7 +54,7 @@ def test_cuda_graph_steps_compute_what_eager_steps_compute(cuda_model, name):
     assert (runner.replays > 0) == repeats
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", CASES)
 def test_steady_decode_step_does_not_synchronise(cuda_model, name):
     method = build(name)
     engine = Engine(cuda_model, method, Budget("tokens", 12))

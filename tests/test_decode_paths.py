@@ -21,19 +21,30 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.kernels.dispatch import use_backend
+from kvbench.kv import AttentionStats, LayerKV
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 # Small windows so that the tiny prompts exercise compression; every other value is the config's default.
 OVERRIDES = {"chelsea": ["method.sinks=2", "method.recent=4", "method.chunk_size=8", "method.decode_interval=4"],
              "ems": ["method.window=4"], "snapkv": ["method.window=4"], "pyramidkv": ["method.window=4"]}
+# case -> (method config, overrides): every method, plus variants whose decode step takes another code path.
+CASES = {name: (name, OVERRIDES.get(name, [])) for name in METHODS} | {
+    "cam_h2o": ("cam", ["method.eviction=h2o"]),
+    "cam_h2o_merge4": ("cam", ["method.eviction=h2o", "method.merge_tokens=4"]),  # fewer targets than later slots
+    "cam_deterministic": ("cam", ["method.deterministic=true", "method.merge_tokens=4"]),
+    "d2o_layer_threshold": ("d2o", ["method.threshold_scope=layer"]),
+    "d2o_code_mean": ("d2o", ["method.merge_rule=code_mean"]),
+    "weightedkv_recent2": ("weightedkv", ["method.recent=2"]),
+}
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
                "aten::_unique2", "aten::repeat_interleave.Tensor"}
 
 
-def build(name: str):
+def build(case: str):
+    config, overrides = CASES[case]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"method={name}", *OVERRIDES.get(name, [])])
+        cfg = compose(config_name="config", overrides=[f"method={config}", *overrides])
     return instantiate(cfg.method)
 
 
@@ -50,7 +61,7 @@ def by_position(kv, b: int, h: int) -> dict:
             for s in range(n)}
 
 
-@pytest.mark.parametrize("name", [m for m in METHODS if build(m).evicts_in_place])
+@pytest.mark.parametrize("name", [case for case in CASES if build(case).evicts_in_place])
 def test_in_place_eviction_keeps_what_compress_keeps(tiny_model, name):
     method = build(name)
     prompts = random_prompts([45, 30], tiny_model.config.vocab_size)
@@ -79,6 +90,52 @@ def test_in_place_eviction_keeps_what_compress_keeps(tiny_model, name):
                     assert got[pos][2] == pytest.approx(want[pos][2], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("name", [case for case in CASES if build(case).evicts_in_place])
+def test_in_place_eviction_under_random_attention(name):
+    """The same comparison without a model: random attention per position at every step (the tiny model's
+    near-uniform attention ranks slots by age, so CaM's merge probabilities would all be 1), checked after
+    every step. WeightedKV draws attention from {0, 1/2, 1}: ties of a / n, which go to the oldest slot."""
+    method = build(name)
+    g = torch.Generator().manual_seed(0)
+    B, H, D, prompt, steps = 2, 2, 8, 30, 24
+    n_keep = torch.tensor([12, 9])
+
+    def attention(*shape):
+        if method.name == "weightedkv":
+            return torch.randint(0, 3, shape, generator=g).float() / 2
+        return torch.rand(*shape, generator=g)
+
+    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g), torch.randn(B, H, prompt, D, generator=g))
+    scores = attention(B, H, prompt)
+    prefill = AttentionStats(column_sums=scores, window_column_sums=scores, num_queries=torch.full((B,), prompt))
+    ref = method.compress(0, kv, prefill, n_keep, "prefill")
+    fast = ref.gather(torch.arange(ref.capacity).expand(B, H, -1), ref.lengths.clone())
+    fast.resize(ref.capacity + 1)
+    fast.pack_state()  # the engine's decode storage
+    for step in range(steps):
+        keys, values = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        position = torch.full((B, 1), prompt + step)
+        step_attention = attention(B, H, prompt + step + 1)  # this step's attention to every token so far
+        stats = []
+        for kv in (ref, fast):
+            kv.reserve(1)
+            kv.write(keys, values, position)
+            seen = step_attention.gather(2, kv.positions.clamp(min=0))
+            stats.append(AttentionStats(step_attention=torch.where(kv.valid(), seen, 0.0), num_queries=torch.ones(B)))
+            method.observe(0, kv, stats[-1])
+        ref = method.compress(0, ref, stats[0], n_keep, "decode")
+        method.evict_one(0, fast, stats[1], n_keep)
+        assert fast.lengths.tolist() == ref.lengths.tolist()
+        for b in range(B):
+            for h in range(H):
+                got, want = by_position(fast, b, h), by_position(ref, b, h)
+                assert got.keys() == want.keys(), f"step {step}"
+                for pos in want:
+                    torch.testing.assert_close(got[pos][0], want[pos][0])
+                    torch.testing.assert_close(got[pos][1], want[pos][1])
+                    assert got[pos][2] == pytest.approx(want[pos][2], rel=1e-5, abs=1e-6, nan_ok=True)
+
+
 class HostReads(TorchDispatchMode):
     """Records every operator that makes the host wait for the device's result."""
 
@@ -95,7 +152,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", CASES)
 def test_steady_decode_step_never_waits_for_the_device(tiny_model, name):
     method = build(name)
     engine = Engine(tiny_model, method, Budget("tokens", 12))

@@ -120,3 +120,19 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
         similarity.scatter_(2, write_at, torch.where(real, best, -float("inf")))
         match.scatter_(2, write_at, torch.where(real, tgt.gather(2, arg), -1))
     return similarity[..., :T], match[..., :T]
+
+
+def slot_best_match(keys: Tensor, positions: Tensor, slot: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``best_match_cosine`` for one source slot per row (B, H), in any slot order (a decode step in place).
+
+    keys: (B, H, T, D); positions: (B, H, T); targets: (B, H, T) bool. Returns (similarity, match), both (B, H):
+    float32 cos(k_slot, k_match), -inf without targets; the target's slot, -1 without targets. Ties go to the
+    oldest position (the earliest target of a position-ordered row, as ``best_match_cosine``). Fixed shapes:
+    one (1 x T) similarity row, no host read."""
+    unit = unit_keys(keys)
+    source = unit.gather(2, slot.view(*slot.shape, 1, 1).expand(-1, -1, 1, unit.shape[-1]))  # (B, H, 1, D)
+    cosine = (source @ unit.transpose(-1, -2)).squeeze(-2).masked_fill(~targets, -float("inf"))  # (B, H, T)
+    best = cosine.amax(-1)
+    tied = targets & (cosine == best.unsqueeze(-1))
+    match = torch.where(tied, positions, torch.iinfo(positions.dtype).max).argmin(-1)
+    return best, torch.where(torch.isfinite(best), match, -1)

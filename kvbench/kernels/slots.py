@@ -18,7 +18,8 @@ from kvbench.kernels.dispatch import use_triton
 
 
 def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor) -> Tensor:
-    """(B, H) the real slot of lowest score that is not protected; ties go to the lowest slot.
+    """(B, H) the real slot of lowest score that is not protected; ties go to the oldest position (the
+    choice of a position-ordered row, whatever the slot order); slot 0 when every slot is protected.
 
     Protected: the first ``sinks`` slots (sinks stay in the slots prefill put them in: nothing ever moves into
     or out of them) and the slots holding the row's ``recent`` newest positions (the window's positions are
@@ -30,8 +31,21 @@ def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Ten
     slots = torch.arange(scores.shape[-1], device=scores.device)
     valid = slots < lengths.unsqueeze(-1)
     newest = torch.where(valid, positions, -1).amax(-1, keepdim=True)
-    protected = (slots < sinks.unsqueeze(-1)) | (positions > newest - recent.unsqueeze(-1))
-    return torch.where(valid & ~protected, scores.float(), torch.inf).argmin(-1)
+    free = valid & (slots >= sinks.unsqueeze(-1)) & (positions <= newest - recent.unsqueeze(-1))
+    score = torch.where(free, scores.float(), torch.inf)
+    lowest = free & (score == score.amin(-1, keepdim=True))
+    return torch.where(lowest, positions, torch.iinfo(positions.dtype).max).argmin(-1)
+
+
+def next_slots(positions: Tensor, lengths: Tensor, slot: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The real slots holding the ``count`` positions that follow slot ``slot`` (B, H) in its row, oldest first:
+    (slots (B, H, count) long, real (B, H, count) bool: False past the row's newest position, where the slot
+    index is arbitrary). What "the next n slots" of a position-ordered row are, in any slot order."""
+    valid = torch.arange(positions.shape[-1], device=positions.device) < lengths.unsqueeze(-1)
+    later = valid & (positions > positions.gather(2, slot.unsqueeze(-1)))
+    none = torch.iinfo(positions.dtype).max
+    following = torch.where(later, positions, none).topk(min(count, positions.shape[-1]), largest=False)
+    return following.indices, following.values < none
 
 
 def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor,

@@ -14,6 +14,7 @@ from torch import Tensor
 
 BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
 WARPS = 16
+NO_POSITION = tl.constexpr(2**63 - 1)  # above every real position
 
 
 @triton.jit
@@ -28,6 +29,7 @@ def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: 
         pos = tl.load(pos_ptr + row * C + c, mask=c < length, other=-1)
         newest = tl.maximum(newest, tl.max(pos, 0))
     best = tl.full((), float("inf"), tl.float32)
+    oldest = tl.full((), NO_POSITION, tl.int64)  # position of the best slot so far (ties: the oldest wins)
     victim = tl.full((), 0, tl.int64)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
@@ -37,9 +39,12 @@ def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: 
         free = real & (c >= sinks) & (pos <= newest - recent)
         score = tl.where(free, score, float("inf"))
         low = tl.min(score, 0)
-        first = tl.min(tl.where(score == low, c, 2147483647), 0).to(tl.int64)
-        better = low < best  # strictly lower: an equal score in a later tile loses to the earlier slot
-        victim = tl.where(better, first, victim)
+        lowest = free & (score == low)
+        first = tl.min(tl.where(lowest, pos, NO_POSITION), 0)
+        slot = tl.min(tl.where(lowest & (pos == first), c, 2147483647), 0).to(tl.int64)
+        better = (low < best) | ((low == best) & (first < oldest))
+        victim = tl.where(better, slot, victim)
+        oldest = tl.where(better, first, oldest)
         best = tl.where(better, low, best)
     return victim
 

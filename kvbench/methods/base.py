@@ -108,9 +108,11 @@ class Method:
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The decode step of a method that compresses every step, in place: every row holds n_keep + 1 slots
         (in any order; positions say which token each slot holds). Merge whatever the method merges into
-        slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` with
-        a chosen slot), writing ``kv`` in place. Must give the same cache, up to slot order, as ``compress``
-        (tests compare the two), and must not read device values back (it runs inside CUDA graphs)."""
+        slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` of a
+        slot found with ``LayerKV.lowest_slot``; whatever depends on positions, such as "the next slots",
+        from ``kv.positions``, e.g. ``LayerKV.next_slots``), writing ``kv`` in place. Must give the same
+        cache, up to slot order, as ``compress`` (tests compare the two), and must not read device values
+        back (it runs inside CUDA graphs): fixed-shape operations only."""
         raise NotImplementedError
 
     def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:

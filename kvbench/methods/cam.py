@@ -15,14 +15,16 @@ Rule (methods.md 6.5; WeightedKV §II; the authors' code, github.com/zyxxmu/cam:
   evictions added to it, so value mass moves forward token by token (as the code's in-place ``+=`` does).
 - merge probability p_e = min(1, a_e / mean_{t in targets} a_t), a = accumulated attention (prompt column
   sums, then + each decode query's attention), as the code's ``accum_attn``.
-- merge mask m_e ~ Bernoulli(p_e) from a generator seeded by (seed, layer, current token index), so a
-  compression is a pure function of its inputs; ``deterministic=True`` uses the expectation m_e = p_e.
+- merge mask m_e ~ Bernoulli(p_e): m_e = [u_e < p_e] with u_e a counter-based hash of (seed, layer, KV head,
+  e's position, the row's newest position) (``uniform_draws``), so a compression is a pure function of its
+  inputs and a slot's draw depends neither on the slot order (the in-place decode step) nor on the batch;
+  ``deterministic=True`` uses the expectation m_e = p_e.
 
 Prefill: evict as the policy does (StreamingLLM: every slot between the sinks and the recent window), then
 merge the evicted tokens one at a time in positional order (oldest first), as the authors' code does when it
 feeds a prompt: each into the n slots after it, including slots evicted later, which carry the mass on.
-Decode: one eviction and one merge per generated token (``decode_interval=1``); a pass that evicts several
-tokens merges them in the same order.
+Decode: one eviction and one merge per generated token (``decode_interval=1``, in place: ``evict_one``); a
+pass that evicts several tokens merges them in the same order.
 
 Interpretations:
 - [I] The prompt is encoded in one pass with full attention, so a is the prompt's column sums over all its
@@ -40,8 +42,9 @@ Interpretations:
 
 Cost per compression of a row of T slots (E evicted, head dim d, n targets): selection O(T log T); the
 cascade x_e = v_e + sum over evicted j in [e - n, e) of m_j x_j / n is a banded triangular system over the
-evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d) (a decode step: E = 1);
-the window scores O(n T) and spreading onto the kept slots O(n T d), at every call.
+evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d); the window scores O(n T) and
+spreading onto the kept slots O(n T d), at every call. A decode step in place (``evict_one``): O(T) for the
+victim, O(T log n) for its n next positions, O(n d) for the merge.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
-from kvbench.methods.streamingllm import sinks_and_recent
+from kvbench.methods.h2o import heavy_split
+from kvbench.methods.streamingllm import eviction_order, sinks_and_recent
 
 ATTENTION = "attention"
 EVICTIONS = ("streamingllm", "h2o")
@@ -73,6 +77,7 @@ class CaM(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    evicts_in_place: ClassVar[bool] = True
 
     sinks: int = 4
     merge_tokens: int = 16
@@ -103,7 +108,8 @@ class CaM(Method):
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
-        share = self._merge_mask(layer, kv, attention, evicted) / self.merge_tokens  # m_e / n, (B, H, T)
+        prob = self._merge_probabilities(kv, attention, evicted)
+        share = self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens  # m_e / n, (B, H, T)
         carried = evicted_values(kv.values.float(), share, evicted, self.merge_tokens)  # x_e, (B, H, T, D)
         received = window_sum(carried * share.unsqueeze(-1), self.merge_tokens)
         out = kv.gather(index, lengths)
@@ -112,17 +118,39 @@ class CaM(Method):
         out.zero_padding()
         return out
 
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``compress`` of a row one slot over its budget, in place: the slot the policy drops adds m_e v_e / n
+        to the values of the slots holding the next n positions, and leaves; keys and scores stay."""
+        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
+        attention = kv.state[ATTENTION]
+        if self.eviction == "streamingllm":
+            victim = kv.lowest_slot(*eviction_order(kv, keep, self.sinks))
+        else:
+            sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
+            victim = kv.lowest_slot(attention, sinks.squeeze(-1), recent.squeeze(-1))
+        targets, real = kv.next_slots(victim, self.merge_tokens)  # (B, H, n) each
+        evicted = victim.unsqueeze(-1)  # (B, H, 1)
+        total = torch.where(real, attention.gather(2, targets), 0.0).sum(-1, keepdim=True)
+        prob = merge_probability(attention.gather(2, evicted), total, real.sum(-1, keepdim=True))
+        share = self._merge_mask(layer, kv, prob, kv.positions.gather(2, evicted)) / self.merge_tokens
+        width = kv.values.shape[-1]
+        x_e = kv.values.gather(2, evicted.unsqueeze(-1).expand(-1, -1, 1, width)).float()  # earlier merges included
+        at_targets = targets.unsqueeze(-1).expand(-1, -1, -1, width)
+        received = kv.values.gather(2, at_targets).float()
+        received = torch.where(real.unsqueeze(-1), received + x_e * share.unsqueeze(-1), received)
+        kv.values.scatter_(2, at_targets, received.to(kv.values.dtype))
+        kv.remove_slot(victim)
+
     def _select(self, attention: Tensor, keep: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """The preliminary eviction: (index (B, H, K), new lengths (B, H)) as ``keep_topk`` returns them."""
         if self.eviction == "streamingllm":
             sinks, recent = sinks_and_recent(keep, self.sinks)
             return keep_topk(torch.zeros_like(attention), keep, lengths, sinks=sinks, recent=recent)
-        heavy = torch.floor(self.heavy_ratio * keep.double()).long()
-        sinks, recent = heavy.clamp(max=self.sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
+        sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
         return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent)
 
-    def _merge_mask(self, layer: int, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
-        """(B, H, T) float: m_e (0/1 sample or probability) on evicted slots that have a target, 0 elsewhere."""
+    def _merge_probabilities(self, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
+        """(B, H, T) p_e on evicted slots (0 without a target), 0 elsewhere; slots in positional order."""
         n = self.merge_tokens
         slots = torch.arange(kv.capacity, device=attention.device).view(1, 1, -1)
         count = (kv.lengths.unsqueeze(-1) - 1 - slots).clamp(min=0, max=n)  # real slots among the next n
@@ -130,20 +158,46 @@ class CaM(Method):
         real = torch.where(kv.valid(), attention, 0.0)
         for offset in range(1, min(n, kv.capacity - 1) + 1):
             total[..., :-offset] += real[..., offset:]
-        mean = total / count.clamp(min=1)
-        ratio = torch.where(mean > 0, attention / mean.clamp(min=torch.finfo(torch.float32).tiny),
-                            (attention > 0).float())
-        prob = torch.where(evicted & (count > 0), ratio.clamp(0, 1), 0.0)
+        return torch.where(evicted, merge_probability(attention, total, count), 0.0)
+
+    def _merge_mask(self, layer: int, kv: LayerKV, prob: Tensor, position: Tensor) -> Tensor:
+        """m_e (a 0/1 draw, or the probability itself if deterministic) of slots holding ``position`` with
+        merge probability ``prob`` (both (B, H, k)), drawn as of the row's newest position."""
         if self.deterministic:
             return prob
-        generator = torch.Generator(device=prob.device)
-        generator.manual_seed(self._draw_seed(layer, kv))
-        return torch.bernoulli(prob, generator=generator)
+        newest = torch.where(kv.valid(), kv.positions, -1).amax(-1, keepdim=True)  # (B, H, 1)
+        head = torch.arange(kv.lengths.shape[1], device=prob.device).view(1, -1, 1)
+        return (uniform_draws(mix32(mix32(self.seed & MASK32) ^ layer), head, position, newest) < prob).float()
 
-    def _draw_seed(self, layer: int, kv: LayerKV) -> int:
-        """Seed of one compression: the run's seed, the layer and the newest token index (the decode step)."""
-        step = int(kv.positions.max()) if kv.positions.numel() else 0
-        return (self.seed * 1_000_003 + layer * 10_007 + step) % (2**63)
+
+def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:
+    """p_e = min(1, a_e / mean), the mean a of e's ``count`` targets being ``total / count``; a zero mean gives 1
+    if a_e > 0, else 0; no targets give 0. Tensors broadcast against each other."""
+    mean = total / count.clamp(min=1)
+    ratio = torch.where(mean > 0, score / mean.clamp(min=torch.finfo(torch.float32).tiny), (score > 0).float())
+    return torch.where(count > 0, ratio.clamp(0, 1), 0.0)
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def mix32(x):
+    """Finalizer of a 32-bit integer hash (xor-shift-multiply rounds), for ints and int64 tensors in
+    [0, 2^32): the multipliers are odd and below 2^31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & MASK32
+    return x ^ (x >> 15)
+
+
+def uniform_draws(key: int, head: Tensor, position: Tensor, step: Tensor) -> Tensor:
+    """float32 in [0, 1) (24 random bits), a pure function of (key, head, position, step), broadcast: a
+    counter-based generator, so that a slot's draw is the same in any slot order and on any device."""
+    x = mix32(key ^ head)
+    x = mix32(x ^ (position & MASK32))
+    x = mix32(x ^ (step & MASK32))
+    return (x >> 8).float() * 2.0**-24
 
 
 CASCADE_BLOCK = 256  # evicted slots per triangular solve in ``evicted_values``

@@ -49,7 +49,8 @@ Interpretations:
 - [I] GQA: the engine averages the attention of the query heads of each KV group; merges are per KV head.
 
 Cost per compression of a row (T slots, S_l kept, E = T - S_l evicted, head dim d): selection O(T log T),
-matching O(E * S_l * d) (prefill: the |E| x |C| block in chunks; decode: E = 1, so O(S_l * d)), merge O(T d).
+matching O(E * S_l * d) (prefill: the |E| x |C| block in chunks; decode: E = 1, so O(S_l * d)), merge O(T d);
+a decode step in place (``evict_one``): O(T) selection, O(S_l * d) matching, O(d) merge, O(T) threshold state.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from torch import Tensor
 from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.select import keep_topk
-from kvbench.kernels.similarity import best_match_cosine
+from kvbench.kernels.similarity import best_match_cosine, slot_best_match
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
@@ -88,6 +89,7 @@ class D2O(Method):
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
     budget_needs: ClassVar[frozenset[str]] = frozenset({"query_column_sums"})  # every layer's, before any compression
+    evicts_in_place: ClassVar[bool] = True
 
     beta: float = 0.7
     n_heavy: int = 3
@@ -170,19 +172,23 @@ class D2O(Method):
         if phase == "prefill":
             kv.state[ATTENTION] = stats.column_sums.float().clone()
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        recent = torch.div(keep * self.n_recent, self.n_heavy + self.n_recent, rounding_mode="floor")
-        sinks = (keep - recent).clamp(max=self.n_sinks)
+        sinks, recent = self._protected(keep)
         index, lengths = keep_topk(kv.state[ATTENTION], keep, kv.lengths,
                                    sinks=sinks.unsqueeze(-1), recent=recent.unsqueeze(-1))
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
         similarity, match = best_match_cosine(kv.keys, evicted, kept)  # (B, H, T) each
-        threshold = self._threshold(kv, similarity, evicted)  # (B, H)
+        u = torch.where(evicted, similarity, 0.0)
+        threshold = self._threshold(kv, u.sum(-1), evicted.sum(-1).float())  # (B, H)
         merged = evicted & (match >= 0) & (similarity >= threshold.unsqueeze(-1))
         new_slot = kept.long().cumsum(-1) - 1  # compact index of each kept slot
         target = torch.where(kept, new_slot, torch.where(merged, new_slot.gather(2, match.clamp(min=0)), -1))
-        weight = self._merge_weights(kept, merged, similarity, target, index.shape[-1])
+        own, merged_raw, merged_mass = self._merge_terms(similarity)
+        raw = torch.where(kept, own, torch.where(merged, merged_raw, 0.0))
+        mass = torch.where(kept, own, torch.where(merged, merged_mass, 0.0))
+        norm = group_sum(mass, target, index.shape[-1])  # of each kept slot: its own term + its merged ones
+        weight = raw / norm.gather(2, target.clamp(min=0)).clamp(min=1e-12)
         out = kv.gather(index, lengths)
         out.keys = scatter_merge(kv.keys, target, weight, index.shape[-1])
         out.values = scatter_merge(kv.values, target, weight, index.shape[-1])
@@ -190,12 +196,39 @@ class D2O(Method):
         out.zero_padding()
         return out
 
-    def _threshold(self, kv: LayerKV, similarity: Tensor, evicted: Tensor) -> Tensor:
-        """This step's EMA threshold (B, H); rows without evictions keep the previous one (NaN: none yet)."""
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``compress`` of a row one slot over its budget, in place: the lowest accumulated attention outside
+        the sinks and the recent window leaves, merges into its most similar remaining slot when the cosine
+        passes the EMA threshold (the only slot whose key and value change), and every slot takes the new
+        threshold."""
+        sinks, recent = self._protected(per_sample_n_keep(n_keep, kv))
+        victim = kv.lowest_slot(kv.state[ATTENTION], sinks, recent)  # (B, H)
+        others = kv.valid() & (torch.arange(kv.capacity, device=victim.device) != victim.unsqueeze(-1))
+        similarity, match = slot_best_match(kv.keys, kv.positions, victim, others)  # (B, H) each
+        threshold = self._threshold(kv, similarity, torch.ones_like(similarity))
+        merged = (match >= 0) & (similarity >= threshold)
+        own, merged_raw, merged_mass = self._merge_terms(similarity)
+        norm = (own + torch.where(merged, merged_mass, 0.0)).clamp(min=1e-12)
+        own = torch.full_like(norm, own)  # divided as a tensor, as compress does (float / tensor multiplies by 1/x)
+        own, incoming = ((w / norm).view(*norm.shape, 1, 1) for w in (own, torch.where(merged, merged_raw, 0.0)))
+        target, source = match.clamp(min=0).view(*match.shape, 1, 1), victim.view(*victim.shape, 1, 1)
+        for t in (kv.keys, kv.values):  # unmerged: the target is rewritten with weight 1 on itself, 0 on the victim
+            at_target, at_victim = (i.expand(-1, -1, 1, t.shape[-1]) for i in (target, source))
+            mixed = own * t.gather(2, at_target).float() + incoming * t.gather(2, at_victim).float()
+            t.scatter_(2, at_target, mixed.to(t.dtype))
+        kv.state[THRESHOLD].copy_(threshold.unsqueeze(-1).expand_as(kv.state[THRESHOLD]))
+        kv.remove_slot(victim)
+
+    def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """(sinks, recent), (B, H) each, of a (B, H) budget: the recent share floored, sinks inside the rest."""
+        recent = torch.div(keep * self.n_recent, self.n_heavy + self.n_recent, rounding_mode="floor")
+        return (keep - recent).clamp(max=self.n_sinks), recent
+
+    def _threshold(self, kv: LayerKV, total: Tensor, count: Tensor) -> Tensor:
+        """This step's EMA threshold (B, H) from each row's sum and number (float) of the similarities u_e of
+        its evicted slots; rows without evictions keep the previous one (NaN: none yet)."""
         previous = kv.state[THRESHOLD][:, :, 0] if THRESHOLD in kv.state else torch.full(
             kv.lengths.shape, float("nan"), device=kv.keys.device)
-        u = torch.where(evicted, similarity, 0.0)
-        total, count = u.sum(-1), evicted.sum(-1).float()  # (B, H)
         if self.threshold_scope == "layer":
             total = total.sum(-1, keepdim=True).expand_as(total)
             count = count.sum(-1, keepdim=True).expand_as(count)
@@ -203,15 +236,13 @@ class D2O(Method):
         smoothed = torch.where(previous.isnan(), current, self.beta * current + (1 - self.beta) * previous)
         return torch.where(count > 0, smoothed, previous)
 
-    def _merge_weights(self, kept: Tensor, merged: Tensor, similarity: Tensor, target: Tensor, K: int) -> Tensor:
-        """(B, H, T) weight of every slot inside its target's merge (0 for slots that go nowhere)."""
-        if self.merge_rule == "weighted":
-            raw = torch.where(kept, math.e, torch.where(merged, similarity.exp(), 0.0))
-            norm = group_sum(raw, target, K)  # Z of each kept slot: e^1 + sum exp(u_e)
-        else:
-            raw = torch.where(kept, 1.0, torch.where(merged, similarity, 0.0))
-            norm = group_sum((kept | merged).float(), target, K)  # 1 + |E_c|
-        return raw / norm.gather(2, target.clamp(min=0)).clamp(min=1e-12)
+    def _merge_terms(self, similarity: Tensor) -> tuple[float, Tensor, Tensor]:
+        """The merge rule: (a kept slot's own weight, which is also its share of the normaliser; the raw weight
+        and the normaliser share of an evicted slot of cosine u merged into it). A merged kept slot's weights
+        are raw / (its own share + its merged slots' shares)."""
+        if self.merge_rule == "weighted":  # Z = e^1 + sum exp(u_e)
+            return math.e, similarity.exp(), similarity.exp()
+        return 1.0, similarity, torch.ones_like(similarity)  # (k_c + sum u_e k_e) / (1 + |E_c|)
 
 
 def allocate(weights: Tensor, total: int, low: int, high: int) -> Tensor:

@@ -85,16 +85,18 @@ class H2O(Method):
         if self.normalize == "mean_over_observers":
             score = score / kv.state[OBSERVED].clamp(min=1)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        sinks, recent = self.protected_counts(keep)
+        sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
         index, lengths = keep_topk(score, keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
 
-    def protected_counts(self, keep: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-row (B, H, 1) sinks and recent window of a (B, H) budget, broadcast by the selections."""
-        heavy = torch.floor(self.heavy_ratio * keep.double()).long()
-        return heavy.clamp(max=self.sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
-
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The lowest accumulated score outside the sinks and the recent window."""
-        sinks, recent = self.protected_counts(per_sample_n_keep(n_keep, kv))
+        sinks, recent = heavy_split(per_sample_n_keep(n_keep, kv), self.heavy_ratio, self.sinks)
         kv.evict_lowest(kv.state[SCORE], sinks.squeeze(-1), recent.squeeze(-1))
+
+
+def heavy_split(keep: Tensor, heavy_ratio: float, sinks: int) -> tuple[Tensor, Tensor]:
+    """Per-row (B, H, 1) protected sinks and recent window of a (B, H) budget split into
+    ``floor(heavy_ratio * keep)`` heavy hitters (sinks among them) and the rest recent (also CaM's H2O)."""
+    heavy = torch.floor(heavy_ratio * keep.double()).long()
+    return heavy.clamp(max=sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)

@@ -68,6 +68,12 @@ class StreamingLLM(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """Drop the oldest token after the sinks (a ring buffer after them); a budget within the sinks drops
         the newest. Sinks stay in the slots prefill put them in (they are never dropped or moved)."""
-        sinks, recent = sinks_and_recent(per_sample_n_keep(n_keep, kv), self.sinks)
-        age = torch.where(recent > 0, kv.positions, -kv.positions)  # oldest first; newest first if no window
-        kv.evict_lowest(age, sinks.squeeze(-1), torch.zeros_like(kv.lengths))
+        kv.evict_lowest(*eviction_order(kv, per_sample_n_keep(n_keep, kv), self.sinks))
+
+
+def eviction_order(kv: LayerKV, keep: Tensor, sinks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(scores, sinks, recent) for ``LayerKV.lowest_slot``: the one slot a row of ``keep`` (B, H) + 1 slots
+    drops is the oldest after the sinks, or the newest when the budget is all sinks (also CaM's eviction)."""
+    row_sinks, recent = sinks_and_recent(keep, sinks)
+    age = torch.where(recent > 0, kv.positions, -kv.positions)  # oldest first; newest first if no window
+    return age, row_sinks.squeeze(-1), torch.zeros_like(kv.lengths)

@@ -31,9 +31,10 @@ Interpretations:
 
 Cost: prefill O(T log T) per row for the merge tree (one sort, a sparse table and pointer doubling, each
 log T vectorised passes) plus O(T d) for one scatter of the values; decode, one merge per step: O(T) for
-the argmin and O(d) for the merge (``merge_into_right``, a loop over the row's few excess slots), 2 scalars of
-state per slot. A decode merge touches two slots only, so the pairwise convex combination is applied directly
-rather than through ``scatter_merge`` (a full-row scatter per merge would cost O(T d)).
+the argmin and the next position and O(d) for the merge, in place (``evict_one``; ``merge_into_right``, a loop
+over the row's few excess slots, when a row is further over budget), 2 scalars of state per slot. A decode
+merge touches two slots only, so the pairwise convex combination is applied directly rather than through
+``scatter_merge`` (a full-row scatter per merge would cost O(T d)).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class WeightedKV(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    evicts_in_place: ClassVar[bool] = True
 
     sinks: int = 4
     recent: int | None = None
@@ -93,18 +95,47 @@ class WeightedKV(Method):
         index, lengths = keep_topk(alive.float(), keep, kv.lengths)  # survivors, in order
         return replace(kv, values=values).gather(index, lengths)
 
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``compress`` of a row one slot over its budget, in place: the region's lowest a_bar (ties: the oldest)
+        merges its value into the slot of the next position and leaves; a and n of the others stay."""
+        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
+        sinks, recent = self._protected(keep)
+        average = kv.state[ACCUMULATED] / kv.state[OBSERVED].clamp(min=1)  # a_bar, (B, H, T)
+        j = kv.lowest_slot(self._merge_key(kv, average), sinks, recent)  # (B, H)
+        r = kv.next_slots(j, 1)[0].squeeze(-1)  # the region ends before the window: a next position exists
+        w_j, w_r = average.gather(2, j.unsqueeze(-1)), average.gather(2, r.unsqueeze(-1))  # (B, H, 1)
+        f = pair_fraction(w_j, w_r).unsqueeze(-1)
+        at_j, at_r = (i.view(*i.shape, 1, 1).expand(-1, -1, 1, kv.values.shape[-1]) for i in (j, r))
+        v_j, v_r = kv.values.gather(2, at_j).float(), kv.values.gather(2, at_r).float()
+        kv.values.scatter_(2, at_r, (f * v_j + (1 - f) * v_r).to(kv.values.dtype))
+        kv.remove_slot(j)
+
+    def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """(sinks, recent), (B, H) each, of a (B, H) budget m: sinks + recent <= m - 1 (module docstring)."""
+        sinks = torch.minimum(keep.clamp(max=self.sinks), keep - 1)
+        wanted = keep // 2 - sinks if self.recent is None else torch.full_like(keep, self.recent)
+        return sinks, torch.minimum(wanted.clamp(min=1), (keep - sinks).clamp(min=1))
+
+    @staticmethod
+    def _merge_key(kv: LayerKV, average: Tensor) -> Tensor:
+        """(B, H, T) what the merge order ascends: a_bar, never-observed slots after every observed one."""
+        return torch.where(kv.state[OBSERVED] > 0, average, torch.finfo(torch.float32).max)
+
     def _merge_order(self, kv: LayerKV, keep: Tensor, average: Tensor) -> Tensor:
         """(B, H, T) slots sorted by merge order: region slots by ascending a_bar (never-observed ones last),
         then everything else; each row merges its first ``len - keep`` entries."""
-        sinks = torch.minimum(keep.clamp(max=self.sinks), keep - 1)
-        wanted = keep // 2 - sinks if self.recent is None else torch.full_like(keep, self.recent)
-        recent = torch.minimum(wanted.clamp(min=1), (keep - sinks).clamp(min=1))
+        sinks, recent = self._protected(keep)
         slots = torch.arange(kv.capacity, device=kv.keys.device).view(1, 1, -1)
         region = (slots >= sinks.unsqueeze(-1)) & (slots < (kv.lengths - recent).unsqueeze(-1))
-        observed = kv.state[OBSERVED] > 0
-        key = torch.where(observed, average, torch.finfo(torch.float32).max)
-        key = torch.where(region, key, float("inf"))
+        key = torch.where(region, self._merge_key(kv, average), float("inf"))
         return torch.sort(key, dim=-1, stable=True).indices
+
+
+def pair_fraction(w_j: Tensor, w_r: Tensor) -> Tensor:
+    """f, the share of v_j in the merge v_r <- f v_j + (1 - f) v_r: a_bar[j] / (a_bar[j] + a_bar[r]), 1/2 when
+    both are 0."""
+    total = w_j + w_r
+    return torch.where(total > 0, w_j / total.clamp(min=torch.finfo(torch.float32).tiny), 0.5)
 
 
 def merge_into_right(values: Tensor, average: Tensor, order: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,9 +154,7 @@ def merge_into_right(values: Tensor, average: Tensor, order: Tensor, count: Tens
         j = order[..., i:i + 1]  # (B, H, 1) slot merged away
         r = right.gather(2, j).clamp(max=T - 1)
         p = left.gather(2, j)
-        w_j, w_r = average.gather(2, j), average.gather(2, r)
-        total = w_j + w_r
-        f = torch.where(total > 0, w_j / total.clamp(min=torch.finfo(torch.float32).tiny), 0.5)
+        f = pair_fraction(average.gather(2, j), average.gather(2, r))
         v_j = merged.gather(2, j.unsqueeze(-1).expand(-1, -1, -1, D))
         v_r = merged.gather(2, r.unsqueeze(-1).expand(-1, -1, -1, D))
         new_r = torch.where(active.unsqueeze(-1), f.unsqueeze(-1) * v_j + (1 - f.unsqueeze(-1)) * v_r, v_r)
@@ -159,10 +188,7 @@ def merge_in_order(values: Tensor, average: Tensor, order: Tensor, count: Tensor
     deleted = rank < count.unsqueeze(-1)
     time = torch.where(deleted, rank, T)
     parent = torch.where(deleted, next_later(time).clamp(max=T - 1), slots)
-    w_j, w_r = average, average.gather(2, parent)
-    total = w_j + w_r
-    f = torch.where(total > 0, w_j / total.clamp(min=torch.finfo(torch.float32).tiny), 0.5)
-    f = torch.where(deleted, f, 0.0)
+    f = torch.where(deleted, pair_fraction(average, average.gather(2, parent)), 0.0)
     # Children of one parent, contiguous and in deletion order; survivors sort last, one segment each.
     segment = torch.where(deleted, parent, T + slots)
     by_parent = torch.sort(segment * (T + 1) + torch.where(deleted, time, 0), dim=-1).indices

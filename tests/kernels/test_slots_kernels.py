@@ -31,8 +31,27 @@ def test_select_lowest_hand_computed():
     positions = torch.tensor([[[0, 1, 8, 6, 9, 7]]])
     args = (scores, torch.tensor([[6]]), positions, torch.tensor([[1]]), torch.tensor([[2]]))
     with use_backend("torch"):
-        assert slots.select_lowest(*args).tolist() == [[3]]  # 2.0 at slot 3 ties with slot 5: the lower slot
+        assert slots.select_lowest(*args).tolist() == [[3]]  # 2.0 at slot 3 (position 6) ties with slot 5 (7)
     assert triton_slots.select_lowest(*args).tolist() == [[3]]
+
+
+def test_select_lowest_ties_go_to_the_oldest_position():
+    # 1.0 at slots 2 (position 9), 3 (position 4) and 5 (position 6): the oldest token, not the lowest slot
+    scores = torch.tensor([[[0.0, 5.0, 1.0, 1.0, 3.0, 1.0, 7.0]]])
+    positions = torch.tensor([[[0, 1, 9, 4, 5, 6, 10]]])
+    args = (scores, torch.tensor([[7]]), positions, torch.tensor([[1]]), torch.tensor([[1]]))
+    with use_backend("torch"):
+        assert slots.select_lowest(*args).tolist() == [[3]]
+    assert triton_slots.select_lowest(*args).tolist() == [[3]]
+
+
+def test_next_slots_follow_positions_not_slots():
+    # positions 0, 8, 3, 5, 9 (slot 5 is padding): after position 3 (slot 2) come 5 (slot 3), 8 (slot 1), 9
+    positions = torch.tensor([[[0, 8, 3, 5, 9, 4]]])
+    following, real = slots.next_slots(positions, torch.tensor([[5]]), torch.tensor([[2]]), 4)
+    assert following[..., :3].tolist() == [[[3, 1, 4]]] and real.tolist() == [[[True, True, True, False]]]
+    following, real = slots.next_slots(positions, torch.tensor([[5]]), torch.tensor([[4]]), 9)  # the newest
+    assert following.shape[-1] == 6 and not real.any()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
