@@ -5,7 +5,9 @@ the method fixes; chunked prefill minus one pass).
     python scripts/niah_tables.py --after /tmp/niah_after --before /tmp/niah_before \
         --chunked /tmp/niah_chunked --out results/niah_smollm2/niah_smollm2.csv
 
-Each root is a kvbench ``results_root`` (its ``metrics.parquet``, rebuilt by ``kvbench collect ROOT``).
+Each root is a kvbench ``results_root`` (its ``metrics.parquet``, rebuilt by ``kvbench collect ROOT``); several
+roots per option let a re-run (say, one method after a fix, into its own root) replace the rows it covers.
+Before/after cells are "—" where the method was not run before.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def before_after(table: pd.DataFrame) -> str:
              "| kept before | kept after |", "|---|---|---|---|---|---|---|---|"]
     for (method, budget), row in after.iterrows():
         old = before.loc[(method, budget)] if (method, budget) in before.index else None
-        cell = (lambda col: "" if old is None else (fmt(old[col]) if col in METRICS else f"{old[col]:.3f}"))
+        cell = (lambda col: "—" if old is None else (fmt(old[col]) if col in METRICS else f"{old[col]:.3f}"))
         lines.append(f"| {method} | {budget} | {cell('rouge1')} | {fmt(row.rouge1)} | {cell('word_recall')} | "
                      f"{fmt(row.word_recall)} | {cell('kept_fraction')} | {row.kept_fraction:.3f} |")
     return "\n".join(lines)
@@ -73,18 +75,19 @@ def chunked_change(table: pd.DataFrame) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--after", type=Path, required=True, help="results root of the current code")
-    parser.add_argument("--before", type=Path, required=True, help="results root of the code before the fixes")
-    parser.add_argument("--chunked", type=Path, required=True, help="results root of the chunked-prefill runs")
+    for code in ("after", "before", "chunked"):
+        parser.add_argument(f"--{code}", type=Path, nargs="+", required=True,
+                            help=f"results roots of the {code} runs; a later root's run replaces an earlier one's")
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
     args = parser.parse_args()
-    table = pd.concat([runs(args.before, "before"), runs(args.after, "after"), runs(args.chunked, "after")])
+    roots = [(root, "before") for root in args.before] + [(root, "after") for root in args.after + args.chunked]
+    table = pd.concat([runs(root, code) for root, code in roots]).drop_duplicates(KEYS, keep="last")
     order = list(OmegaConf.load(Path(CONF_DIR) / "report" / "default.yaml").table.method_order)  # the report's
     table = table.sort_values(["code", "prefill_chunk_size", "method", "budget"], ascending=[False, True, True, True],
                               key=lambda c: c.map(order.index) if c.name == "method" else c, na_position="first")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out, index=False, float_format="%.6g")
-    print(before_after(table), "\n")
+    print(before_after(table) + "\n")
     print(chunked_change(table))
 
 
