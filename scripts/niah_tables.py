@@ -6,7 +6,8 @@ the method fixes; chunked prefill minus one pass).
         --chunked /tmp/niah_chunked --out results/niah_smollm2/niah_smollm2.csv
 
 Each root is a kvbench ``results_root`` (its ``metrics.parquet``, rebuilt by ``kvbench collect ROOT``); several
-roots per option let a re-run (say, one method after a fix, into its own root) replace the rows it covers.
+roots per option let a re-run (say, one method after a fix, into its own root) replace the rows it covers in
+the tables; the CSV keeps every run, with its commit.
 Before/after cells are "—" where the method was not run before.
 """
 
@@ -43,6 +44,13 @@ def fmt(value: float) -> str:
     return "" if pd.isna(value) else f"{value:.1f}"
 
 
+def before_cell(old: pd.Series | None, column: str) -> str:
+    """A before cell: "—" for a method not run before."""
+    if old is None:
+        return "—"
+    return fmt(old[column]) if column in METRICS else f"{old[column]:.3f}"
+
+
 def before_after(table: pd.DataFrame) -> str:
     one_pass = table[table.prefill_chunk_size.isna()]
     after = one_pass[one_pass.code == "after"].set_index(["method", "budget"])
@@ -51,9 +59,9 @@ def before_after(table: pd.DataFrame) -> str:
              "| kept before | kept after |", "|---|---|---|---|---|---|---|---|"]
     for (method, budget), row in after.iterrows():
         old = before.loc[(method, budget)] if (method, budget) in before.index else None
-        cell = (lambda col: "—" if old is None else (fmt(old[col]) if col in METRICS else f"{old[col]:.3f}"))
-        lines.append(f"| {method} | {budget} | {cell('rouge1')} | {fmt(row.rouge1)} | {cell('word_recall')} | "
-                     f"{fmt(row.word_recall)} | {cell('kept_fraction')} | {row.kept_fraction:.3f} |")
+        lines.append(f"| {method} | {budget} | {before_cell(old, 'rouge1')} | {fmt(row.rouge1)} | "
+                     f"{before_cell(old, 'word_recall')} | {fmt(row.word_recall)} | "
+                     f"{before_cell(old, 'kept_fraction')} | {row.kept_fraction:.3f} |")
     return "\n".join(lines)
 
 
@@ -81,15 +89,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
     args = parser.parse_args()
     roots = [(root, "before") for root in args.before] + [(root, "after") for root in args.after + args.chunked]
-    table = pd.concat([runs(root, code) for root, code in roots]).drop_duplicates(KEYS, keep="last")
+    table = pd.concat([runs(root, code) for root, code in roots])
     order = list(OmegaConf.load(Path(CONF_DIR) / "report" / "default.yaml").table.method_order)  # the report's
     table = table.sort_values(["code", "prefill_chunk_size", "method", "budget"], ascending=[False, True, True, True],
-                              key=lambda c: c.map(order.index) if c.name == "method" else c, na_position="first")
+                              key=lambda c: c.map(order.index) if c.name == "method" else c, na_position="first",
+                              kind="stable")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(args.out, index=False, float_format="%.6g")
-    print(before_after(table) + "\n")
-    print(chunked_change(table))
-
+    table.to_csv(args.out, index=False, float_format="%.6g")  # every run, replaced ones included
+    latest = table.drop_duplicates(KEYS, keep="last")
+    print(before_after(latest) + "\n")
+    print(chunked_change(latest))
 
 if __name__ == "__main__":
     main()
