@@ -284,8 +284,7 @@ class Engine:
         if layer.ordered:
             kv.zero_padding()
             return kv, stats
-        key = torch.where(kv.valid(), kv.positions, torch.iinfo(kv.positions.dtype).max)
-        order = key.argsort(dim=-1, stable=True)
+        order = kv.position_order()
         moved = stats.aligned(kv.capacity, order)
         moved.raw_keys = None if stats.raw_keys is None else stats.raw_keys.gather(
             2, order.unsqueeze(-1).expand_as(stats.raw_keys))

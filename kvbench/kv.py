@@ -196,10 +196,11 @@ class LayerKV:
         else:
             evict_lowest(scores, self.lengths, self.positions, sinks, recent, self.keys, self.values, block)
 
-    def sorted_by_position(self) -> "LayerKV":
-        """A copy whose real slots are in original-token order (after in-place removals), padding cleared."""
+    def position_order(self) -> Tensor:
+        """(B, H, C) slot indices that put each row's real slots in original-token order (after in-place
+        removals), padding last."""
         key = torch.where(self.valid(), self.positions, torch.iinfo(self.positions.dtype).max)
-        return self.gather(key.argsort(dim=-1, stable=True), self.lengths)
+        return key.argsort(dim=-1, stable=True)
 
     @property
     def slot_bytes(self) -> int:
