@@ -11,6 +11,11 @@ import torch
 from torch import Tensor
 
 
+def true_first(mask: Tensor) -> Tensor:
+    """(..., T) bool -> (..., T) slot indices: the True slots first, then the others, each in slot order."""
+    return (~mask).to(torch.int8).argsort(dim=-1, stable=True)
+
+
 def protected_mask(lengths: Tensor, capacity: int, sinks: int, recent: int) -> Tensor:
     """(B, H, T) bool: the first ``sinks`` and last ``recent`` real slots of each row."""
     slots = torch.arange(capacity, device=lengths.device).view(1, 1, -1)

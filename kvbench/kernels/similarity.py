@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.dispatch import use_triton
+from kvbench.kernels.select import true_first
 
 
 def unit_keys(keys: Tensor) -> Tensor:
@@ -86,7 +87,7 @@ def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
     """(B, H, T) bool -> (index (B, H, N) of the True slots in order, count (B, H)); N = max count."""
     count = mask.sum(-1)
     n = int(count.max()) if count.numel() else 0
-    return (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :n], count
+    return true_first(mask)[..., :n], count
 
 
 def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 1024) -> tuple[Tensor, Tensor]:

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.select import keep_topk, true_first
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
@@ -225,7 +225,7 @@ def evicted_values(values: Tensor, share: Tensor, evicted: Tensor, n: int) -> Te
     out = torch.zeros_like(values)
     if E == 0:
         return out
-    order = (~evicted).to(torch.int8).argsort(dim=-1, stable=True)[..., :E]  # evicted slots, in order
+    order = true_first(evicted)[..., :E]  # evicted slots, in order
     real = torch.arange(E, device=values.device).view(1, 1, -1) < count.unsqueeze(-1)
     slot = torch.where(real, order, -2 * (n + 1) * E)  # padding entries: far from every real one, no coupling
     c = torch.where(real, share.gather(2, order), 0.0)

@@ -58,7 +58,7 @@ from torch import Tensor
 from kvbench.errors import ConfigError
 from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.kernels.merge import group_sum, scatter_merge
-from kvbench.kernels.select import topk_mask
+from kvbench.kernels.select import topk_mask, true_first
 from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method
 
@@ -178,7 +178,7 @@ def merge_clusters(kv: LayerKV, absorbed: Tensor, partner: Tensor) -> LayerKV:
     degree = (kv.state[MERGED].float() + 1) * valid
     cluster_degree = group_sum(degree, groups, G)  # (B, H, G)
     weight = degree / cluster_degree.gather(2, groups.clamp(min=0)).clamp(min=1)
-    order = (~survivor).to(torch.int8).argsort(dim=-1, stable=True)[..., :G]
+    order = true_first(survivor)[..., :G]
     merged = kv.gather(order, lengths)  # positions (the B slot's) and other state follow the survivor
     merged.keys = scatter_merge(kv.keys, groups, weight, G)
     merged.values = scatter_merge(kv.values, groups, weight, G)

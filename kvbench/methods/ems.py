@@ -84,7 +84,7 @@ from torch import Tensor
 from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, redundancy, rotate_like
-from kvbench.kernels.select import pool1d
+from kvbench.kernels.select import pool1d, true_first
 from kvbench.kernels.similarity import unit_keys
 from kvbench.kv import LOGIT_BIAS, AttentionStats, Expansion, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
@@ -174,7 +174,7 @@ class EMS(Method):
         values = kv.values.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.values.shape[-1]))
         stored = torch.arange(kv.capacity, device=slot.device).expand_as(kv.positions)
         valid = torch.cat([kv.valid(), live], -1)
-        order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)  # attended entries first, in place order
+        order = true_first(valid)  # attended entries first, in place order
 
         def rows(stored_rows: Tensor, member_rows: Tensor) -> Tensor:
             both = torch.cat([stored_rows, member_rows], 2)
@@ -258,7 +258,7 @@ class EMS(Method):
         C = int(n_imp.max()) if n_imp.numel() else 0
         if C == 0 or tbm_slots.shape[-1] == 0:
             return torch.full_like(tbm_slots, -1)
-        centres = (~imp).to(torch.int8).argsort(dim=-1, stable=True)[..., :C]  # (B, H, C) Imp slots first
+        centres = true_first(imp)[..., :C]  # (B, H, C) Imp slots first
         centre_ok = torch.arange(C, device=imp.device).view(1, 1, -1) < n_imp.unsqueeze(-1)
 
         def rows(x: Tensor, slots: Tensor) -> Tensor:
@@ -278,7 +278,7 @@ class EMS(Method):
         kept = local | imp
         lengths = kept.sum(-1)
         G = max(int(lengths.max()) if lengths.numel() else 0, 1)
-        index = (~kept).to(torch.int8).argsort(dim=-1, stable=True)[..., :G]  # kept slots in original order
+        index = true_first(kept)[..., :G]  # kept slots in original order
         group = kept.long().cumsum(-1) - 1  # entry of each kept slot
         dest = self._destinations(kv, raw_keys, imp, tbm_slots)
         dest_group = torch.where(tbm_valid & (dest >= 0), group.gather(-1, dest.clamp(min=0)), -1)

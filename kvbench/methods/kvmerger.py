@@ -57,7 +57,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
-from kvbench.kernels.select import topk_mask
+from kvbench.kernels.select import topk_mask, true_first
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
 from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval
@@ -198,7 +198,7 @@ class KVMerger(Method):
         priority = priority.masked_fill(~merged.valid()[..., :G], -float("inf"))
         keep = topk_mask(priority, torch.minimum(merged.lengths, n_keep.to(merged.lengths).view(-1, 1)))
         lengths = keep.sum(-1)
-        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., : int(lengths.max())]
+        order = true_first(keep)[..., : int(lengths.max())]
         return merged.gather(order, lengths)
 
 
