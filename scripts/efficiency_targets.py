@@ -62,7 +62,8 @@ def load(root: Path) -> pd.DataFrame:
     df = pd.concat(frames, ignore_index=True)
     cell = df["dataset"].str.extract(r"len(\d+)_(bs1|throughput)$")
     df = df[cell[0].notna()].assign(context=cell[0].astype(float).astype(int), cell=cell[1])
-    df["graphs"] = df.get("engine.cuda_graphs", False).fillna(False).astype(bool)
+    # rows written before the engine switches existed have no engine columns: eager, one pass
+    df["graphs"] = df["engine.cuda_graphs"].fillna(False).astype(bool) if "engine.cuda_graphs" in df else False
     chunk = df.get("engine.prefill_chunk_size")
     df["chunk"] = None if chunk is None else chunk.astype(object).where(chunk.notna(), None)
     return df
