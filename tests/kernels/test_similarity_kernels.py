@@ -51,3 +51,32 @@ def test_chunked_soft_matching_matches_reference(chunk_size, dtype):
     assert torch.equal(partner, partner_ref)
     assert (partner[0, 1] == -1).all() and (partner >= 0).sum() > 15
     torch.testing.assert_close(sim, sim_ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 3, 150, 24), (1, 2, 130, 128)], ids=str)
+def test_best_match_cosine_matches_reference(shape, dtype):
+    B, H, T, D = shape
+    keys = clustered_keys(*shape, dtype)
+    g = torch.Generator().manual_seed(5)
+    targets = torch.rand(B, H, T, generator=g) < 0.3
+    sources = ~targets & (torch.rand(B, H, T, generator=g) < 0.9)
+    if H > 1:
+        targets[0, 1] = False  # a row without targets: its sources get no match
+    expected = similarity.best_match_cosine(keys, sources, targets, chunk=7)
+    got = triton_similarity.best_match_cosine(keys, sources, targets)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+
+
+def test_best_match_cosine_ties_go_to_the_earliest_target():
+    # slots 1, 3 and 70 hold the same direction (70 in a later target tile): every source picks slot 1
+    keys = torch.randn(1, 1, 80, 16, generator=torch.Generator().manual_seed(6))
+    keys[0, 0, [3, 70]] = 2 * keys[0, 0, 1]
+    keys[0, 0, 0] = keys[0, 0, 1]
+    targets = torch.zeros(1, 1, 80, dtype=torch.bool)
+    targets[0, 0, [1, 3, 70] + list(range(10, 60))] = True
+    sources = torch.zeros_like(targets)
+    sources[0, 0, 0] = True
+    similarity_, match = triton_similarity.best_match_cosine(keys, sources, targets)
+    assert match[0, 0, 0] == 1 and (match[0, 0, 1:] == -1).all()
+    assert float(similarity_[0, 0, 0]) == pytest.approx(1.0)
