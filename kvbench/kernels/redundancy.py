@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.similarity import unit_keys
 
 SIMILARITIES = ("key_value", "key", "value")
@@ -37,6 +38,45 @@ def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tenso
     if similarity == "key":
         return key
     return key * cosine_matrix(values_a, values_b).clamp(min=0)
+
+
+def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
+                   target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """Each source's most redundant target (EMS Eq. 5), ``chunk`` sources at a time: memory O(chunk x targets),
+    never the whole (sources x targets) block.
+
+    raw_keys, values: (B, H, T, D); sources (B, H, M) and targets (B, H, C): slot indices, the first
+    ``source_count`` / ``target_count`` (B, H) of each row real. Returns (best, match), both (B, H, M): the
+    highest ``redundancy`` over the row's real targets (float32; -inf for a source that is not real or a row
+    without targets) and that target's slot (ties: the earliest in ``targets``), -1 where best is -inf.
+    ``triton_similarity.most_redundant`` is the kernel of the same signature (see ``dispatch``).
+    """
+    if use_triton("most_redundant", raw_keys):
+        from kvbench.kernels import triton_similarity
+
+        return triton_similarity.most_redundant(raw_keys, values, sources, source_count, targets, target_count,
+                                                similarity, chunk)
+    B, H, M = sources.shape
+    best = torch.full((B, H, M), -float("inf"), device=raw_keys.device)
+    match = torch.full((B, H, M), -1, dtype=torch.long, device=raw_keys.device)
+    C = min(int(target_count.max()) if target_count.numel() else 0, targets.shape[-1])
+    if M == 0 or C == 0:
+        return best, match
+    targets = targets[..., :C]
+    target_ok = torch.arange(C, device=targets.device).view(1, 1, 1, -1) < target_count.view(B, H, 1, 1)
+
+    def rows(x: Tensor, slots: Tensor) -> Tensor:
+        return x.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+    target_keys, target_values = rows(raw_keys, targets), rows(values, targets)
+    for start in range(0, M, chunk):
+        part = sources[..., start:start + chunk]
+        R = redundancy(rows(raw_keys, part), rows(values, part), target_keys, target_values, similarity)
+        top, arg = R.masked_fill(~target_ok, -float("inf")).max(-1)  # (B, H, chunk)
+        best[..., start:start + chunk] = top
+        match[..., start:start + chunk] = torch.where(torch.isfinite(top), targets.gather(-1, arg), -1)
+    real = torch.arange(M, device=sources.device).view(1, 1, -1) < source_count.unsqueeze(-1)
+    return torch.where(real, best, -float("inf")), torch.where(real, match, -1)
 
 
 def rotate_like(x: Tensor, raw: Tensor, rotated: Tensor, rel_eps: float = 1e-4) -> Tensor:

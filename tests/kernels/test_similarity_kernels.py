@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.kernels import matching, similarity, triton_matching, triton_similarity
+from kvbench.kernels import matching, redundancy, similarity, triton_matching, triton_similarity
 
 
 def clustered_keys(B, H, T, D, dtype, seed=3):
@@ -80,3 +80,21 @@ def test_best_match_cosine_ties_go_to_the_earliest_target():
     similarity_, match = triton_similarity.best_match_cosine(keys, sources, targets)
     assert match[0, 0, 0] == 1 and (match[0, 0, 1:] == -1).all()
     assert float(similarity_[0, 0, 0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("similarity_", ["key_value", "key", "value"])
+def test_most_redundant_matches_reference(similarity_, dtype):
+    B, H, T, D = 2, 2, 140, 24
+    raw = clustered_keys(B, H, T, D, dtype)
+    values = clustered_keys(B, H, T, D, dtype, seed=8)
+    g = torch.Generator().manual_seed(9)
+    order = torch.rand(B, H, T, generator=g).argsort(-1)
+    sources, targets = order[..., :90], order[..., 90:]  # slot lists; some entries past the counts
+    source_count = torch.tensor([[90, 17], [0, 66]])
+    target_count = torch.tensor([[50, 3], [20, 0]])  # a row without targets
+    expected = redundancy.most_redundant(raw, values, sources, source_count, targets, target_count, similarity_,
+                                         chunk=16)
+    got = triton_similarity.most_redundant(raw, values, sources, source_count, targets, target_count, similarity_)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+    assert (got[1][0, 0] >= 0).all() and (got[1][1, 1] == -1).all() and (got[1][1, 0] == -1).all()
