@@ -43,7 +43,7 @@ Interpretations:
 Cost per compression of a row of T slots (head dim d, n targets, S = ``CASCADE_BLOCK``): selection
 O(T log T); the cascade x_s = v_s + sum over j in [s - n, s) of m_j x_j / n (m = 0 on slots that stay), a
 banded triangular system over the row's slots whose solution is every slot's final value, solved in blocks
-of S at once and carried across blocks by a scan: O(T S (d + n) + T n^2 log(T / S) / S + T n d), a few dozen
+of S at once and carried across blocks (``kernels.cascade``): O(T S (d + n) + T n (n + d)), a handful of
 batched operations and no loop over the row; the window scores O(n T), at every call. A decode step in place
 (``evict_one``): O(T) for the victim, O(T log n) for its n next positions, O(n d) for the merge.
 """
@@ -58,6 +58,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.cascade import banded_cascade
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.select import keep_topk, true_first
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
@@ -110,8 +111,7 @@ class CaM(Method):
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
-        prob = self._merge_probabilities(kv, attention, evicted)
-        share = self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens  # m_e / n, (B, H, T)
+        share = self._shares(layer, kv, attention, evicted)  # m_e / n, (B, H, T)
         # every real slot's final value: evicted ones carry x_e on when they leave, kept ones (share 0) keep it
         held = evicted_values(kv.values.float(), share, valid, self.merge_tokens)  # (B, H, T, D)
         out = kv.gather(index, lengths)
@@ -150,6 +150,18 @@ class CaM(Method):
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
         return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent)
 
+    def _shares(self, layer: int, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
+        """(B, H, T) m_e / n of the evicted slots of a position-ordered cache, 0 elsewhere (one launch with the
+        Triton twin, ``kernels.triton_cam``; bit-identical)."""
+        if use_triton("cam_merge_shares", attention):
+            from kvbench.kernels import triton_cam
+
+            newest = torch.where(kv.valid(), kv.positions, -1).amax(-1)
+            return triton_cam.merge_shares(attention, kv.lengths, kv.positions, evicted, newest, self.merge_tokens,
+                                           None if self.deterministic else self._draw_key(layer))
+        prob = self._merge_probabilities(kv, attention, evicted)
+        return self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens
+
     def _merge_probabilities(self, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
         """(B, H, T) p_e on evicted slots (0 without a target), 0 elsewhere; slots in positional order."""
         n = self.merge_tokens
@@ -168,7 +180,11 @@ class CaM(Method):
             return prob
         newest = torch.where(kv.valid(), kv.positions, -1).amax(-1, keepdim=True)  # (B, H, 1)
         head = torch.arange(kv.lengths.shape[1], device=prob.device).view(1, -1, 1)
-        return (uniform_draws(mix32(mix32(self.seed & MASK32) ^ layer), head, position, newest) < prob).float()
+        return (uniform_draws(self._draw_key(layer), head, position, newest) < prob).float()
+
+    def _draw_key(self, layer: int) -> int:
+        """The hash key of a layer's draws."""
+        return mix32(mix32(self.seed & MASK32) ^ layer)
 
 
 def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:

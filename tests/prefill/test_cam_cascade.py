@@ -95,3 +95,4 @@ def test_long_row_cascade_agrees_with_the_compacted_solve():
     got = cam.evicted_values(values, share, evicted, n)
     expected = compact_evicted_values(values.double(), share.double(), evicted, n).float()
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
