@@ -11,10 +11,14 @@ each the median of ``--repeats`` timed calls after a warm-up:
 - per method, ``stats``: the prompt pass's attention with the statistics the method declares, through the
   engine's own path (``attention._prompt_attention``), minus the plain sdpa; ``compress``: its prefill
   ``compress`` of the layer at ``--budget`` (the statistics it gets are real: computed from the layer);
-  ``peak MiB``: memory ``compress`` allocates above its inputs (CUDA only); ``TTFT x``: the predicted
-  TTFT ratio to the full cache, (layer + stats + compress) / layer; D2O's ``layer_budgets`` for
-  ``--layers`` layers is added to its compress, divided by the layer count.
-Targets (issue 21): TTFT x <= 1.15 for every method; compress a few ms per layer.
+  ``host``: the part of it the host spends issuing work (close to ``compress``: host-bound, launches and
+  Python; well below: device-bound); ``peak MiB``: memory ``compress`` allocates above its inputs, beside
+  the decoder layer's own (CUDA only; a compress peak under the layer's leaves the run's peak alone);
+  ``TTFT x``: the predicted TTFT ratio to the full cache, (layer + stats + compress) / layer. D2O's
+  ``layer_budgets`` for ``--layers`` layers is added to its compress, divided by the layer count.
+``--profile`` adds each method's five costliest device kernels (torch profiler).
+Targets (issue 21; the lead's brief): TTFT x <= 1.15 (1.25) for every method; compress a few ms per layer;
+compress peak below the layer's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -123,6 +128,31 @@ def fresh_kv(layer: dict) -> LayerKV:
     return LayerKV.from_dense(layer["keys"], layer["values"])
 
 
+def host_ms(call, device, repeats: int) -> float:
+    """Median milliseconds the host spends in ``call`` before the device catches up (no final sync)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def top_kernels(call, device, count: int = 5) -> str:
+    """The ``count`` device kernels of ``call`` with the most device time, one line each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize(device)
+    launches = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:count]
+    lines = [f"    {e.self_device_time_total / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}" for e in rows]
+    return "\n".join([f"    {launches} device kernels in all"] + lines)
+
+
 def peak_mib(call, device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -140,37 +170,48 @@ def bench_length(n: int, args, device, dtype) -> list[dict]:
     weights = layer_weights(n, args, device, dtype)
     attention_s = time_call(lambda: sdpa(layer, scaling), args.repeats, device)
     layer_s = time_call(lambda: decoder_layer(layer, weights, scaling), args.repeats, device)
+    layer_peak = peak_mib(lambda: decoder_layer(layer, weights, scaling), device)
     del weights
-    rows = [{"length": n, "row": "layer", "ms": layer_s * 1e3}, {"length": n, "row": "attention", "ms": attention_s * 1e3}]
-    print(f"{n:6d} layer {layer_s * 1e3:8.2f} ms   attention (sdpa causal) {attention_s * 1e3:8.2f} ms", flush=True)
+    rows = [{"length": n, "row": "layer", "ms": layer_s * 1e3, "peak_mib": layer_peak},
+            {"length": n, "row": "attention", "ms": attention_s * 1e3, "peak_mib": float("nan")}]
+    print(f"{n:6d} layer {layer_s * 1e3:8.2f} ms (peak {layer_peak:.0f} MiB)   attention (sdpa causal) "
+          f"{attention_s * 1e3:8.2f} ms", flush=True)
     n_keep = torch.tensor([max(1, math.floor(args.budget * n + 0.5))], device=device)
     for name in args.methods:
         method = build_method(name)
         stats = method_inputs(method, layer, scaling)
         stats_s = time_call(lambda: prompt_stats(method, layer, scaling), args.repeats, device) - attention_s
-        compress_s = time_call(lambda: method.compress(0, fresh_kv(layer), stats, n_keep, "prefill"),
-                               args.repeats, device)
+        def compress():
+            return method.compress(0, fresh_kv(layer), stats, n_keep, "prefill")
+
+        compress_s = time_call(compress, args.repeats, device)
+        host = host_ms(compress, device, args.repeats)
         if method.budget_needs:  # once per model, before any layer compresses: its per-layer share
             compress_s += time_call(lambda: method.layer_budgets(n_keep, args.layers, [stats] * args.layers, 32),
                                     args.repeats, device) / args.layers
-        peak = peak_mib(lambda: method.compress(0, fresh_kv(layer), stats, n_keep, "prefill"), device)
+        peak = peak_mib(compress, device)
         ttft = (layer_s + max(stats_s, 0.0) + compress_s) / layer_s
         rows.append({"length": n, "row": name, "stats_ms": stats_s * 1e3, "compress_ms": compress_s * 1e3,
-                     "peak_mib": peak, "ttft_ratio": ttft, "compress_per_attention": compress_s / attention_s})
+                     "host_ms": host, "peak_mib": peak, "ttft_ratio": ttft,
+                     "compress_per_attention": compress_s / attention_s})
         print(f"{n:6d} {name:13s} stats {stats_s * 1e3:8.2f} ms  compress {compress_s * 1e3:8.2f} ms "
-              f"({compress_s / attention_s:5.2f}x attention)  peak {peak:8.1f} MiB  TTFT x {ttft:5.2f}", flush=True)
+              f"(host {host:7.2f}, {compress_s / attention_s:5.2f}x attention)  peak {peak:8.1f} MiB  "
+              f"TTFT x {ttft:5.2f}", flush=True)
+        if args.profile and device.type == "cuda":
+            print(top_kernels(compress, device), flush=True)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| length | method | stats ms | compress ms | compress / attention | peak MiB | TTFT x (target <= 1.15) |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| length | method | stats ms | compress ms | host ms | compress / attention | peak MiB | "
+             "TTFT x (target <= 1.15) |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["row"] in ("layer", "attention"):
-            lines.append(f"| {r['length']} | {r['row']} | | {r['ms']:.2f} | | | |")
+            lines.append(f"| {r['length']} | {r['row']} | | {r['ms']:.2f} | | | {r['peak_mib']:.0f} | |")
         else:
             lines.append(f"| {r['length']} | {r['row']} | {r['stats_ms']:.2f} | {r['compress_ms']:.2f} | "
-                         f"{r['compress_per_attention']:.2f} | {r['peak_mib']:.0f} | {r['ttft_ratio']:.2f} |")
+                         f"{r['host_ms']:.2f} | {r['compress_per_attention']:.2f} | {r['peak_mib']:.0f} | "
+                         f"{r['ttft_ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -189,6 +230,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="print each method's costliest device kernels")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.methods = args.methods.split(",")
