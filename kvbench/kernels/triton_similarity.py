@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kvbench.kernels.select import true_first
 from kvbench.kernels.similarity import run_ids
-from kvbench.kernels.triton_attention import INTERPRETED
+from kvbench.kernels.triton_attention import INTERPRETED, _precision
 
 BLOCK_T = 64
 BEST_MATCH_TILES = (64, 64, 4, 2)  # (sources per program, targets per step, warps, stages)
@@ -70,7 +70,8 @@ def _best_match(
     a_ptr, b_ptr, inv_a_ptr, inv_b_ptr, src_ptr, nsrc_ptr, tgt_ptr, ntgt_ptr, best_ptr, match_ptr,
     sab, sah, sat, sad, sbb, sbh, sbt, sbd, H, T, M, C, DA, DB,
     TWO: tl.constexpr, CLAMP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, PRECISION_A: tl.constexpr, PRECISION_B: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_bh = tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
@@ -101,7 +102,7 @@ def _best_match(
         if UPCAST:
             ka = ka.to(tl.float32)
         ka_inv = tl.load(inv_a_ptr + pid_bh * T + tgt, mask=col_ok, other=0.0)
-        sim = tl.dot(qa, tl.trans(ka), input_precision="ieee") * qa_inv[:, None] * ka_inv[None, :]
+        sim = tl.dot(qa, tl.trans(ka), input_precision=PRECISION_A) * qa_inv[:, None] * ka_inv[None, :]
         if CLAMP:
             sim = tl.maximum(sim, 0.0)
         if TWO:
@@ -109,7 +110,7 @@ def _best_match(
             if UPCAST:
                 kb = kb.to(tl.float32)
             kb_inv = tl.load(inv_b_ptr + pid_bh * T + tgt, mask=col_ok, other=0.0)
-            sim_b = tl.dot(qb, tl.trans(kb), input_precision="ieee") * qb_inv[:, None] * kb_inv[None, :]
+            sim_b = tl.dot(qb, tl.trans(kb), input_precision=PRECISION_B) * qb_inv[:, None] * kb_inv[None, :]
             sim = sim * tl.maximum(sim_b, 0.0)
         sim = tl.where(col_ok[None, :], sim, float("-inf"))
         tile_best = tl.max(sim, 1)
@@ -143,8 +144,8 @@ def _best_matches(first: Tensor, second: Tensor | None, sources: Tensor, source_
         *first.stride(), *second.stride(), H, first.shape[2], M, targets.shape[-1], first.shape[-1],
         second.shape[-1], TWO=two, CLAMP=clamp, BLOCK_S=block_s, BLOCK_C=block_c,
         BLOCK_DA=max(16, triton.next_power_of_2(first.shape[-1])),
-        BLOCK_DB=max(16, triton.next_power_of_2(second.shape[-1])), UPCAST=INTERPRETED,
-        num_warps=warps, num_stages=stages,
+        BLOCK_DB=max(16, triton.next_power_of_2(second.shape[-1])), PRECISION_A=_precision(first),
+        PRECISION_B=_precision(second), UPCAST=INTERPRETED, num_warps=warps, num_stages=stages,
     )
     return best, match
 
