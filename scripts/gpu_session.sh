@@ -31,6 +31,9 @@ tests)  # compiled kernels against the torch references, CUDA graphs against eag
 bench)  # kernel timings, torch vs Triton
   timeout 150 python3 -m kvbench.bench kernels --device cuda --head-dim 128 --repeats 5 --max-seconds 2 --out $work/bench \
     2>&1 | tail -40 ;;
+prefill)  # every method's prompt compression on one Llama-3.1-8B-shaped layer beside the layer (16k, 32k)
+  timeout 240 python3 scripts/bench_prefill.py --profile "$@" > $work/bench_prefill.log 2>&1
+  echo "bench_prefill rc=$?"; grep -E "^\|" $work/bench_prefill.log ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 targets)
@@ -38,5 +41,5 @@ targets)
 pack)
   tar czf $OUT/gpu.tar.gz -C /tmp gpu; ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, bench, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, bench, prefill, grid, targets, pack"; exit 2 ;;
 esac
