@@ -17,11 +17,6 @@ from kvbench.kernels.similarity import unit_keys
 SIMILARITIES = ("key_value", "key", "value")
 
 
-def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
-    """(B, H, M, D) x (B, H, N, D) -> (B, H, M, N) cosine similarities in float32 (zero vectors -> 0)."""
-    return unit_keys(a) @ unit_keys(b).transpose(-1, -2)
-
-
 def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tensor, similarity: str) -> Tensor:
     """R[i, j] between token i of set a and token j of set b: (B, H, M, D) x2, (B, H, N, D) x2 -> (B, H, M, N).
 
@@ -32,12 +27,21 @@ def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tenso
     """
     if similarity not in SIMILARITIES:
         raise ValueError(f"similarity '{similarity}'; accepted: {', '.join(SIMILARITIES)}")
-    if similarity == "value":
-        return cosine_matrix(values_a, values_b).clamp(min=0)
-    key = cosine_matrix(keys_a, keys_b).clamp(min=0)
-    if similarity == "key":
-        return key
-    return key * cosine_matrix(values_a, values_b).clamp(min=0)
+    first, second = compared(keys_a, values_a, similarity), compared(keys_b, values_b, similarity)
+    return unit_redundancy([unit_keys(x) for x in first], [unit_keys(x) for x in second])
+
+
+def compared(keys: Tensor, values: Tensor, similarity: str) -> list[Tensor]:
+    """The tensors whose cosines ``similarity`` multiplies: [keys, values], [keys] or [values]."""
+    return {"key_value": [keys, values], "key": [keys], "value": [values]}[similarity]
+
+
+def unit_redundancy(units_a: list[Tensor], units_b: list[Tensor]) -> Tensor:
+    """R of unit vectors: the product over the pairs (a, b) of max(0, a b^T), (B, H, M, N) float32."""
+    R = (units_a[0] @ units_b[0].transpose(-1, -2)).clamp_(min=0)
+    for a, b in zip(units_a[1:], units_b[1:]):
+        R.mul_((a @ b.transpose(-1, -2)).clamp_(min=0))
+    return R
 
 
 def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
@@ -68,11 +72,12 @@ def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_cou
     def rows(x: Tensor, slots: Tensor) -> Tensor:
         return x.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
-    target_keys, target_values = rows(raw_keys, targets), rows(values, targets)
+    features = compared(raw_keys, values, similarity)
+    target_units = [unit_keys(rows(x, targets)) for x in features]  # normalised once for every chunk
     for start in range(0, M, chunk):
         part = sources[..., start:start + chunk]
-        R = redundancy(rows(raw_keys, part), rows(values, part), target_keys, target_values, similarity)
-        top, arg = R.masked_fill(~target_ok, -float("inf")).max(-1)  # (B, H, chunk)
+        R = unit_redundancy([unit_keys(rows(x, part)) for x in features], target_units)
+        top, arg = R.masked_fill_(~target_ok, -float("inf")).max(-1)  # (B, H, chunk)
         best[..., start:start + chunk] = top
         match[..., start:start + chunk] = torch.where(torch.isfinite(top), targets.gather(-1, arg), -1)
     real = torch.arange(M, device=sources.device).view(1, 1, -1) < source_count.unsqueeze(-1)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.redundancy import compared
 from kvbench.kernels.select import true_first
 from kvbench.kernels.similarity import run_ids
 from kvbench.kernels.triton_attention import INTERPRETED, _precision
@@ -186,5 +187,6 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
 def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
                    target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
     """Triton ``redundancy.most_redundant`` (``chunk`` is the reference's memory knob): (best, match) (B, H, M)."""
-    first, second = {"key_value": (raw_keys, values), "key": (raw_keys, None), "value": (values, None)}[similarity]
-    return _best_matches(first, second, sources, source_count, targets, target_count, clamp=True)
+    features = compared(raw_keys, values, similarity)
+    return _best_matches(features[0], features[1] if len(features) > 1 else None, sources, source_count, targets,
+                         target_count, clamp=True)
