@@ -99,7 +99,7 @@ class _Point:
 @dataclass
 class _Step:
     number: int
-    members: list[int]  # rows in flight when it was launched
+    members: list[_Flight]  # the rows in flight when it was launched
     bytes_before: np.ndarray  # (R,) every row's K+V bytes before it
     end: Any  # CUDA event (or host time) after its tokens were copied out
     start: Any = None  # CUDA event (or host time) before it, when the previous step's end does not bound it
@@ -274,7 +274,7 @@ class DecodeBatch:
         if not self.built:
             self._build_runner()
         start = self._mark() if self.restart else None
-        members = [r for p in self.points for r in p.flights]
+        members = [flight for p in self.points for flight in p.flights.values()]
         bytes_before = self.row_bytes.copy()
         replayed = self.runner.step() if self.runner is not None else self._body(False)
         self.launched += 1
@@ -291,15 +291,14 @@ class DecodeBatch:
 
     def _collect(self, record: _Step) -> list[Finished]:
         """Read step ``record``'s tokens: every row it decoded takes its token, and the rows that stop leave."""
-        flights = {r: f for p in self.points for r, f in p.flights.items()}
-        members = [r for r in record.members if r in flights]
+        members = [f for f in record.members if self.points[f.point].flights.get(f.row) is f]  # not stopped before
         seconds = self._seconds(record)
         self.clock.append(self.clock[-1] + seconds)
         self.share.append(self.share[-1] + seconds / max(1, len(members)))
         tokens = self.host_tokens[record.number % len(self.host_tokens)].tolist()
         finished = []
-        for r in members:
-            flight = flights[r]
+        for flight in members:
+            r = flight.row
             flight.kv_read += record.bytes_before[r] + self.token_bytes[r]
             flight.steps += 1
             stopped = self._accept(flight, tokens[r])
