@@ -140,6 +140,7 @@ class DecodeBatch:
         self.token_bytes = np.zeros(R)  # the K+V bytes of one token of each row (every layer and head)
         self.records: deque[_Step] = deque()  # launched steps whose tokens are not read yet
         self.launched = 0
+        self.replays = 0  # steps that were graph replays
         self.clock = [0.0]  # device seconds of all decode steps up to step n (index n)
         self.share = [0.0]  # the same, each step's seconds divided among the rows it decoded
         self.last_end: Any = None
@@ -283,6 +284,7 @@ class DecodeBatch:
         self.records.append(_Step(self.launched, members, bytes_before, self._mark(), start))
         self.restart = False
         if replayed:
+            self.replays += 1
             self.row_bytes += self._replay_bytes()
         else:
             for point in self.points:
@@ -473,6 +475,8 @@ def decode_prompts(engine: Engine, prompts: list[list[int]], suffixes: list[list
                     continue  # fill every free slot before the next step
             for done in batch.step():
                 results[done.tag] = done.generation
+                if engine.on_generation is not None:
+                    engine.on_generation()
     finally:
         if batch is not None:
             batch.close()

@@ -2,7 +2,8 @@
 
     session = engine.prefill(prompts, max_new_tokens, suffixes)  # prompt passes, compression, suffixes
     session.feed(tokens)                                         # teacher-forced / decode passes
-    engine.generate(prompts, ...)                                # greedy decoding on top of the two
+    row = engine.prefill_row(prompt, max_new_tokens, suffix)     # one prefilled row, for a DecodeBatch
+    engine.generate(prompts, ...)                                # greedy decoding (kvbench.decode)
 
 Prefill runs one row at a time, so no pass ever carries padding and a batch gives exactly the outputs of its
 rows alone (a row repeated in the batch, as the throughput benchmark's copies of one prompt, is prefilled once
@@ -11,13 +12,16 @@ budgets need no statistics compresses each layer right after that layer's attent
 so the uncompressed prompt cache of a layer is freed before the next layer runs; a method whose budgets
 depend on every layer's statistics (``Method.budget_needs``, D2O) compresses after the pass. The suffix (the
 question in query-agnostic mode) follows, uncompressed. The rows' caches are then copied into the batch's
-static-capacity storage (budget plus the slots decoding adds before the next compression).
+static-capacity storage (budget plus the slots decoding adds before the next compression), or, for
+``generate``, into the slots of a ``kvbench.decode.DecodeBatch`` as earlier rows finish.
 
 Decode steps make every shape decision on the host (``CompressedLayer.host_lengths``); methods that evict
 one slot per step (``Method.evict_one``) do it in place, so a step is a fixed sequence of kernels that never
 waits for the device (``engine.cuda_graphs`` replays it as one CUDA graph, ``kvbench.graphs``). Everything
 else (multi-token passes, decode intervals > 1, rows over budget by more than one slot) runs the method's
-``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it).
+``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it); when only
+some rows are over budget (rows that joined at different times), on those rows alone. Decode intervals count
+per row from the step it joined.
 """
 
 from __future__ import annotations
@@ -337,6 +341,7 @@ class Engine:
                 isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ConfigError(f"batch_size={batch_size!r}; accepted: an integer >= 1 or auto")
         self.batch_size = batch_size
+        self.on_generation: Callable[[], None] | None = None  # called as each generated row finishes (progress)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
