@@ -371,7 +371,8 @@ class DecodeBatch:
         self.rows = None if len(allocated) == len(self.points) else torch.cat(
             [torch.arange(p.first, p.first + self.slots, device=self.device) for p in allocated])
         self.composite = CompositeCache([s.cache for s in sessions]) if len(sessions) > 1 else None
-        self.runner = DecodeGraph(sessions, self._body) if self.graphs else None
+        key = (self.stop_mask is not None, len(self.tokens))
+        self.runner = DecodeGraph(sessions, self._body, key) if self.graphs else None
         self.built = True
 
     def _drop_runner(self) -> None:

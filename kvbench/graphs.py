@@ -4,8 +4,10 @@ A decode step of the engine is a fixed sequence of kernels once its host decisio
 storage is static, row lengths live on the device and in the host mirror, a method that evicts every step
 does it in place, and the next tokens are picked on the device. ``DecodeGraph`` runs the step of a set of
 sessions (one forward pass over all their rows, ``kvbench.decode.DecodeBatch``): it waits for that steady
-state, runs one eager step with static shapes (it compiles every kernel that the captured step will launch),
-captures the next step, and from then on replays it. A step whose host decisions differ (a compression through
+state, runs one eager step with static shapes (it compiles every kernel that the captured step will launch and
+creates whatever state a method makes on its first step), captures the next step, and from then on replays
+it; a step whose methods, storage shapes and state were warmed up so before in this process (an earlier
+batch's, e.g. a benchmark's previous repeat) is captured at once. A step whose host decisions differ (a compression through
 ``Method.compress``, a cache that must grow) runs eagerly, and a graph whose storage was re-allocated is
 captured again.
 
@@ -27,14 +29,18 @@ from torch import Tensor
 if TYPE_CHECKING:
     from kvbench.engine import Session
 
+# signatures (``DecodeGraph._signature``) of steps that ran eagerly with static shapes in this process
+WARMED: set[tuple] = set()
+
 
 class DecodeGraph:
     """Runs decode steps of ``sessions`` (``body(static_shapes)`` does one: every session's rows), replaying a
     captured step once every session is steady."""
 
-    def __init__(self, sessions: list["Session"], body: Callable[[bool], object]) -> None:
+    def __init__(self, sessions: list["Session"], body: Callable[[bool], object], key: tuple = ()) -> None:
         self.sessions = sessions
         self.body = body
+        self.key = key  # what else shapes the body's kernels (the caller's own switches)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured: tuple | None = None  # the host decisions and storage versions of the captured step
         self.warm: tuple | None = None  # those of the last eager static-shape step (the capture's warm-up)
@@ -60,9 +66,10 @@ class DecodeGraph:
             self._replay()
             self.flush()
             self.safe = self._safe_replays()
-        elif decisions != self.warm:
+        elif decisions != self.warm and self._signature(decisions) not in WARMED:
             self.body(True)
             self.warm = decisions
+            WARMED.add(self._signature(decisions))
         else:
             self._capture(decisions)
         return False
@@ -126,6 +133,15 @@ class DecodeGraph:
             if method.compress_during_decode and method.decode_interval > 1:
                 safe = min(safe, int(((-(session.row_steps + 1)) % method.decode_interval).min()))
         return max(safe, 0)
+
+    def _signature(self, decisions: tuple) -> tuple:
+        """What the kernels of a step taking ``decisions`` depend on: every session's method and storage shapes
+        and state (a method may create state on its first step), without the storage's identity."""
+        shapes = tuple((repr(s.engine.method), s.engine.position_mode, tuple(
+            (layer.kv.keys.shape, layer.kv.keys.dtype, tuple(sorted(layer.kv.state)),
+             tuple((name, t.shape) for name, t in sorted(layer.kv.tables.items()))) for layer in s.cache.layers))
+            for s in self.sessions)
+        return tuple(action for action, _ in decisions), shapes, self.key
 
     def _decisions(self) -> tuple | None:
         """What the next step does on the host, per session and layer: nothing, or an in-place eviction; None

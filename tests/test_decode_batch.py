@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from kvbench.budget import Budget
 from kvbench.decode import DecodeBatch, DecodeRequest, auto_batch_size
 from kvbench.engine import Engine
@@ -152,3 +154,70 @@ def test_bad_batch_sizes_are_rejected_with_the_value(tiny_model):
 
 def test_cuda_graphs_auto_is_off_on_a_cpu(tiny_model):
     assert Engine(tiny_model, build("full"), Budget("fraction", 1.0)).cuda_graphs is False
+
+
+class ReplayedOnTheHost:
+    """A stand-in for ``torch.cuda.CUDAGraph`` on a CPU: capturing runs the step (host and device work, as a
+    capture's host side plus the replay that follows it); a later replay runs the same step's device work
+    again and puts the host side back as it was, as a real replay leaves it (``DecodeGraph.flush`` applies it)."""
+
+    def __init__(self) -> None:
+        self.fresh = True
+        self.step: tuple = ()  # the runner's sessions and step, set when the capture ends
+
+    def replay(self) -> None:
+        if self.fresh:  # the replay right after the capture: the capture already did the work
+            self.fresh = False
+            return
+        sessions, body = self.step
+        saved = [([(l.host_lengths.copy(), l.longest, l.aligned, l.ordered) for l in s.cache.layers],
+                  s.decode_steps, s.row_steps.copy(), s.logits) for s in sessions]
+        body(True)
+        for s, (layers, steps, row_steps, logits) in zip(sessions, saved):
+            for layer, (lengths, longest, aligned, ordered) in zip(s.cache.layers, layers):
+                layer.host_lengths, layer.longest, layer.aligned, layer.ordered = lengths, longest, aligned, ordered
+            s.decode_steps, s.row_steps, s.logits = steps, row_steps, logits
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea_interval4"])
+def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, name, monkeypatch):
+    """The graph runner's bookkeeping on a CPU (captures replayed on the host): decisions, steps known safe, the
+    host side applied lazily, bytes read per step; every row as alone, and steps replayed."""
+    import contextlib
+
+    from kvbench import graphs
+    from tests.golden.record import CASES as GOLDEN_CASES, build_method
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayedOnTheHost)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(graphs, "WARMED", set())
+
+    @contextlib.contextmanager
+    def capture(graph):
+        yield
+        graph.step = (runner_of[0].sessions, runner_of[0].body)
+
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    method = build_method(*GOLDEN_CASES[name]) if name in GOLDEN_CASES else build(name)
+    engine = Engine(tiny_model, method, Budget("tokens", 12))
+    prompts = random_prompts(LENGTHS + [17, 50], tiny_model.config.vocab_size, seed=9)
+    runner_of = []
+    with use_backend("torch"):
+        batch = DecodeBatch([engine], slots=3, lag=1)
+        batch.graphs = True
+        build_runner = batch._build_runner
+
+        def keep_runner():
+            build_runner()
+            runner_of[:] = [batch.runner]
+
+        batch._build_runner = keep_runner
+        requests = [DecodeRequest(n) for n in (14, 5, 9, 14, 7, 11)]
+        got = run(batch, [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
+        want = [alone(engine, p, r) for p, r in zip(prompts, requests)]
+    for tag, row in enumerate(want):
+        assert got[tag].tokens == row.tokens, f"row {tag}"
+        assert got[tag].kv_bytes_final == row.kv_bytes_final
+        assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean)
+    # rows that joined at different times compress at different steps (intervals count per row): those run eagerly
+    assert batch.replays > (0 if method.decode_interval > 1 else batch.launched / 3)
