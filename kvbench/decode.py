@@ -30,6 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,8 @@ class DecodeBatch:
         self.share = [0.0]  # the same, each step's seconds divided among the rows it decoded
         self.last_end: Any = None
         self.restart = True  # the next step's time starts at its own start (first step, after an admission)
+        self.attachment = ExitStack()  # the model switched to kvbench's attention from the first step to close()
+        self.attached = False
         self.built = False  # the step's composite cache, row selection and graph runner match the points
         self.runner: DecodeGraph | None = None
         self.composite: CompositeCache | None = None
@@ -174,21 +177,26 @@ class DecodeBatch:
     def step(self) -> list[Finished]:
         """Place waiting rows into free slots, run one decode step, and read the tokens of the step ``lag``
         before it; returns the rows that finished (at their admission or in the step read)."""
-        finished: list[Finished] = []
-        with attach(self.points[0].engine.model, self.points[0].engine.attn_implementation):
-            finished += self._place()
-            in_flight = any(p.flights for p in self.points)
-            if in_flight:
-                self._launch()
-            while self.records and (self.records[0].number <= self.launched - self.lag or not in_flight):
-                finished += self._collect(self.records.popleft())
+        if not self.attached:  # kvbench's attention until close(): switching it walks the whole model
+            engine = self.points[0].engine
+            self.attachment.enter_context(attach(engine.model, engine.attn_implementation))
+            self.attached = True
+        finished = self._place()
+        in_flight = any(p.flights for p in self.points)
+        if in_flight:
+            self._launch()
+        while self.records and (self.records[0].number <= self.launched - self.lag or not in_flight):
+            finished += self._collect(self.records.popleft())
         return finished
 
     def close(self) -> None:
-        """Wait for the steps still running (their tokens are nobody's) and release the captured graph."""
+        """Wait for the steps still running (their tokens are nobody's), release the captured graph and give the
+        model its attention implementation back."""
         _sync(self.device)
         self.records.clear()
         self._drop_runner()
+        self.attachment.close()
+        self.attached = False
 
     # -- admission ------------------------------------------------------------------------------------
 
