@@ -204,16 +204,24 @@ class DecodeBatch:
         finished = []
         for index, point in enumerate(self.points):
             free = [point.first + s for s in range(self.slots) if point.first + s not in point.flights]
-            placed: dict[int, tuple[Session, list[int]]] = {}
+            placed: dict[tuple, tuple[Session, list[int]]] = {}  # (row, request) -> the row and its slots
+            first_tokens: dict[tuple, int] = {}
             while point.waiting and free:
                 row, request, tag = point.waiting.popleft()
                 flight = _Flight(index, -1, row, request, tag, row.compress_seconds / row.copies)
-                stopped = self._first_token(flight)
+                if request.max_new_tokens < 1:
+                    finished.append(Finished(index, tag, self._generation(flight, "max_new_tokens", self.launched)))
+                    continue
+                key = (id(row), request)
+                if key not in first_tokens:
+                    first_tokens[key] = self._first_token(row, request)
+                flight.first_token = first_tokens[key]
+                stopped = self._accept(flight, flight.first_token)
                 if stopped is not None:
                     finished.append(Finished(index, tag, self._generation(flight, stopped, self.launched)))
                     continue
                 flight.row = free.pop(0)
-                placed.setdefault(id(row), (row, []))[1].append(flight.row)
+                placed.setdefault(key, (row, []))[1].append(flight.row)
                 point.flights[flight.row] = flight
             newly_free = point.session is not None and not point.engine.method.compress_during_decode and bool(
                 set(free) - point.empty)
@@ -221,18 +229,15 @@ class DecodeBatch:
                 self._install(point, list(placed.values()), free)
         return finished
 
-    def _first_token(self, flight: _Flight) -> str | None:
-        """The row's first token, from its prefill logits (read back: an admission waits for its prompt pass
-        anyway); the reason it stops there, if it does."""
-        request = flight.request
-        if request.max_new_tokens < 1:
-            return "max_new_tokens"
-        logits = flight.source.logits
+    @staticmethod
+    def _first_token(row: Session, request: DecodeRequest) -> int:
+        """A row's first token, from its prefill logits (read back: an admission waits for its prompt pass
+        anyway)."""
+        logits = row.logits
         if request.min_new_tokens > 0 and request.stop_token_ids:
             stops = torch.tensor(sorted(request.stop_token_ids), device=logits.device)
             logits = logits.index_fill(1, stops, -float("inf"))  # out of place: an inference tensor
-        flight.first_token = int(logits.argmax(-1)[0])
-        return self._accept(flight, flight.first_token)
+        return int(logits.argmax(-1)[0])
 
     def _install(self, point: _Point, placed: list[tuple[Session, list[int]]], free: list[int]) -> None:
         """Write newly placed rows into their point's storage (allocating it for the first row) and the per-row
@@ -240,7 +245,7 @@ class DecodeBatch:
         self._flush()
         engine, slot = point.engine, lambda row: row - point.first
         for row, rows in placed:
-            request = point.flights[rows[0]].request
+            request = point.flights[rows[0]].request  # the same for every slot of a group
             capacities = engine.planned_capacities(row, request.max_new_tokens)
             if point.session is None:
                 point.session = Session.allocate(row, self.slots, capacities)
