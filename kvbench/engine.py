@@ -42,7 +42,6 @@ from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.errors import ConfigError
-from kvbench.graphs import DecodeGraph
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
