@@ -77,13 +77,10 @@ def status(argv: list[str]) -> int:
     for col in columns:
         table.add_column(col)
     for rec in sorted(states, key=lambda r: (r["state"], store.run_label(r))):
-        detail = rec.get("error", "")
-        if rec["state"] == "running":
-            detail = f"for {time.time() - rec['time']:.0f} s"
-        elif rec["state"] == "stale":
-            detail = "its process is gone (crashed, killed or cancelled)"
+        detail = {"done": "", "running": f"for {time.time() - rec.get('time', time.time()):.0f} s",
+                  "stale": "its process is gone (crashed, killed or cancelled)"}.get(rec["state"], rec.get("error", ""))
         cells = [rec["run_id"], rec["state"], store.run_label(rec), str(rec.get("host", rec.get("hostname", ""))),
-                 str(rec.get("slurm_job") or rec.get("slurm_job_id") or ""), detail if rec["state"] != "done" else ""]
+                 str(rec.get("slurm_job") or rec.get("slurm_job_id") or ""), detail]
         if stale_code:
             cells += [str(rec.get("kvbench_version")), str(rec.get("git_commit") or "")[:12]]
         table.add_row(*cells)

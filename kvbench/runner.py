@@ -117,7 +117,7 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | N
     try:
         final, metrics, predictions = _execute(cfg, root, rid, labels, record, hydra_dir)
     except BaseException as err:
-        with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice: the terminal's, its controller's
+        with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
             _record_end(root, rid, err, record)
         raise
     log.info("run %s written to %s", rid, final)

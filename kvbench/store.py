@@ -42,7 +42,7 @@ from kvbench.errors import describe, disk_full
 log = logging.getLogger("kvbench")
 
 RUNS = "runs"
-STATUS = "status"  # <root>/status/<run_id>.json: "running" or "failed" while not finished (kvbench.status)
+STATUS = "status"  # <root>/status/<run_id>.json: running, failed or interrupted while not finished (kvbench.status)
 FINISHED_MARKER = "meta.json"  # written last inside the temp dir; the rename publishes all files at once
 FILES = "files"  # meta.json key: relative path -> {"bytes": size, "rows": parquet rows} of every other file
 DATA_FILES = ("config.yaml", "predictions.parquet", "metrics.parquet")  # what a run without FILES must hold
@@ -258,8 +258,8 @@ def read_meta(run: Path) -> dict:
 
 def collect(root: Path) -> list[tuple[str, str]]:
     """Rebuild ``metrics.parquet`` and ``predictions.parquet`` at the root from every finished run, and
-    remove stray temp files. A run that does not read back is left out (a warning names it): returns those
-    as (run id, reason). Raises OSError when a table cannot be written (a full disk)."""
+    remove stray temp files. Runs that do not read back are left out and returned as (run id, reason).
+    Raises OSError when a table cannot be written (a full disk)."""
     root = Path(root)
     skipped = []
     with _locked(root):

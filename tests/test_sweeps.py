@@ -24,6 +24,7 @@ from kvbench.tasks.base import Task
 from tests.conftest import REPO, kvbench_command
 from tests.test_runner import make_cfg
 
+RESUME = "kvbench: interrupted (Ctrl-C): run the same command again to resume (finished points are skipped)"
 PASSKEY = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[128]", "task.depths=[0]"]
 
 
@@ -86,7 +87,7 @@ def test_ctrl_c_stops_a_sweep_with_its_summary_and_the_same_command_resumes(tmp_
     lines = err.strip().splitlines()
     assert code == 130 and not any("Traceback" in line for line in lines), err
     assert "kvbench sweep: 3 points: 1 done, 0 skipped, 0 failed, 1 interrupted, 1 not run" in lines
-    assert lines[-1] == "kvbench: interrupted (Ctrl-C): run the same command again to resume (finished points are skipped)"
+    assert lines[-1] == RESUME
     records = {r["method"]: r for r in status.run_states(tmp_path)}
     assert {m: r["state"] for m, r in records.items()} == {"full": "done", "h2o": "interrupted"}
     assert records["h2o"]["error"] == "interrupted (Ctrl-C or SIGINT) before it was published"
@@ -215,6 +216,17 @@ def test_ctrl_c_on_the_local_launcher_interrupts_its_points_and_leaves_no_litera
     assert [p.name for p in (tmp_path / "submitit").iterdir()] == ["controllers.log"]
 
 
+def test_a_job_controller_writes_its_stderr_to_a_log_not_to_the_terminal(tmp_path, capfd):
+    """What submitit's local controller prints when Ctrl-C stops it (a traceback) goes to a log file."""
+    launcher = launchers.LocalLauncher(submitit_folder=str(tmp_path / "%j"))
+    with launcher.controller_stderr():
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('controller traceback')"])
+    child.wait()
+    assert "controller traceback" not in capfd.readouterr().err
+    assert (tmp_path / "controllers.log").read_text() == "controller traceback"
+
+
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_on_a_local_sweep(tmp_path):
     """Issue 24, case 7, as a terminal does it: SIGINT to the process group of ``kvbench -m
     hydra/launcher=local ...`` (the launcher, the job's controller and its run) while a point runs."""
@@ -234,7 +246,7 @@ def test_ctrl_c_in_a_terminal_on_a_local_sweep(tmp_path):
     assert sweep_.returncode == 130 and "Traceback" not in output, output
     lines = output.strip().splitlines()
     assert "kvbench sweep: 2 points: 0 done, 0 skipped, 0 failed, 1 interrupted, 1 not run" in lines, output
-    assert lines[-1] == "kvbench: interrupted (Ctrl-C): run the same command again to resume (finished points are skipped)"
+    assert lines[-1] == RESUME
     [record] = status.run_states(root)
     assert record["state"] == "interrupted" and record["method"] == "h2o"
     assert "%j" not in [p.name for p in folder.iterdir()]

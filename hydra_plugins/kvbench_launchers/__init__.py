@@ -54,10 +54,11 @@ def outcome(job_return: JobReturn) -> tuple[str, str]:
     return "failed", f"{type(err).__name__}: {err}"
 
 
-def disk_full_detail(outcome_: tuple[str, str]) -> bool:
+def disk_full_detail(result: tuple[str, str]) -> bool:
+    """Whether a point failed for want of space (its error, maybe from its job's process, says so)."""
     from kvbench.errors import names_disk_full
 
-    return outcome_[0] == "failed" and names_disk_full(outcome_[1])
+    return result[0] == "failed" and names_disk_full(result[1])
 
 
 def summarize(points: Sequence[Sequence[str]], outcomes: Sequence[tuple[str, str]]) -> None:
@@ -73,7 +74,11 @@ def summarize(points: Sequence[Sequence[str]], outcomes: Sequence[tuple[str, str
             lines.append(f"  {state} #{index} {' '.join(filter_overrides(overrides))}: {detail}")
     full = [i for i, o in enumerate(outcomes) if disk_full_detail(o)]
     resume = "run the same command again to resume (finished points are skipped)"
-    if counts["interrupted"] or counts["still running"] or (counts["not run"] and not full):
+    if counts["still running"]:
+        lines.append(f"kvbench: interrupted (Ctrl-C): {counts['still running']} submitted points still run on SLURM "
+                     f"(kvbench status follows them, scancel stops them); once they have ended, {resume}")
+        code = INTERRUPTED_EXIT
+    elif counts["interrupted"] or (counts["not run"] and not full):
         lines.append(f"kvbench: interrupted (Ctrl-C): {resume}")
         code = INTERRUPTED_EXIT
     elif full:
