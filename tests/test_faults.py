@@ -54,6 +54,14 @@ def passkey_run(root: Path, method: str, value: float = 0.5) -> str:
     return write(root, method, "fraction", value, {}, "passkey", predictions, Task().aggregate(predictions))
 
 
+def refuse(error: OSError):
+    """A stand-in for a write that fails with ``error``."""
+    def write(*args, **kwargs):
+        raise error
+
+    return write
+
+
 def killed_writer(root: Path, rid: str) -> None:
     child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root), rid], stdout=subprocess.PIPE,
                              text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -80,7 +88,7 @@ def test_status_rerun_collect_and_report_agree_after_every_fault(tmp_path, monke
     root = tmp_path / "results"
     done = [passkey_run(root, "full"), passkey_run(root, "h2o")]
     # a full disk after publishing: the run is safe, the collected tables are stale
-    monkeypatch.setattr(store, "_write_parquet", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(store, "_write_parquet", refuse(OSError(errno.ENOSPC, "No space left on device")))
     done.append(passkey_run(root, "snapkv"))
     monkeypatch.undo()
     assert store.stale_tables(root) == "1 finished runs are missing from them"
@@ -112,8 +120,10 @@ def test_status_rerun_collect_and_report_agree_after_every_fault(tmp_path, monke
         finished, unreadable = verdict["status"] == "done", verdict["status"] == "corrupt"
         assert verdict == {"status": verdict["status"], "rerun skips": finished, "report shows": finished,
                            "report names": unreadable, "collect tables": finished, "collect names": unreadable}, rid
-        if not finished and verdict["status"] != "running":
-            assert status.what_to_do(root, records[rid]).startswith("run ")
+        if unreadable:  # its saved config.yaml runs it again
+            assert status.what_to_do(root, records[rid]).startswith("run it again: python -m kvbench --config-path")
+        elif verdict["status"] in ("stale", "interrupted", "failed"):  # started without recorded overrides
+            assert status.what_to_do(root, records[rid]) == "run its sweep again (finished points are skipped)"
     # a re-run publishes the unreadable runs again; then every reader sees them done
     for method in ("full", "h2o", "snapkv"):
         passkey_run(root, method, 0.2)
@@ -153,7 +163,7 @@ def test_the_report_rebuilds_a_truncated_collected_table_or_says_the_command(tmp
     assert "the collected tables were stale (cannot be read (ArrowInvalid)): rebuilt" in capsys.readouterr().err
     assert list(pd.read_parquet(root / "metrics.parquet")["run_id"].unique()) == [rid]
     os.truncate(root / "metrics.parquet", 50)
-    monkeypatch.setattr(store, "_write_parquet", lambda *a: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    monkeypatch.setattr(store, "_write_parquet", refuse(PermissionError(errno.EACCES, "Permission denied")))
     assert report_main(["--root", str(root), "--no-plots"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1] == (f"kvbench report: error: the collected tables in '{root}' cannot be read (ArrowInvalid) "
