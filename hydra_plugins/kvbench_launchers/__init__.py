@@ -163,6 +163,7 @@ class _SubmititLauncher(BaseSubmititLauncher):
 
         first_of: dict[str, int] = {}
         outcomes = {}
+        roots = set()  # of finished points: their tables are rebuilt if a full disk left them stale
         for index, overrides in enumerate(job_overrides):
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             rid = store.run_id(runner.result_config(cfg))
@@ -170,8 +171,10 @@ class _SubmititLauncher(BaseSubmititLauncher):
                 outcomes[index] = ("skipped", f"the same run as #{first_of[rid]}")
             elif cfg.skip_finished and store.is_finished(Path(cfg.results_root), rid):
                 outcomes[index] = ("skipped", "finished before")
-                store.update_tables(Path(cfg.results_root), only_if_stale=True)  # a full disk may have left them
+                roots.add(Path(cfg.results_root))
             first_of.setdefault(rid, index)
+        for root in roots:
+            store.update_tables(root, only_if_stale=True)
         return outcomes
 
     def submit_args(self, index: int, overrides: list[str], initial_job_idx: int) -> tuple:
