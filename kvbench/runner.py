@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import os
 import logging
 import platform
@@ -39,6 +40,8 @@ def result_config(cfg: DictConfig) -> dict:
     out, so a budget sweep runs it once."""
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in RESULT_KEYS}
+    if config["engine"].get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
+        config["engine"]["cuda_graphs"] = torch.device(str(cfg.model.device)).type == "cuda"
     if method_name(cfg) == FULL:
         config["budget"] = None
     return config
@@ -152,7 +155,8 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
     dispatch.set_backend(cfg.kernels.backend)
     lm, method, budget, task = build(cfg)
     engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
+                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
+                    batch_size=cfg.batch_size)
     samples = checks.task_samples(task)
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
@@ -164,12 +168,17 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
     rows: list[dict] = []
     t0 = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    # a task that runs a batch in lockstep gets batch_size samples at a time; the others get them all and decode
+    # them through the engine's continuous batching, the bar following each finished generation
+    chunk = cfg.batch_size if task.lockstep_batches else len(samples)
     with Progress(*columns, transient=False) as progress:
         bar = progress.add_task(store.run_label(labels), total=len(samples))
-        for start in range(0, len(samples), cfg.batch_size):
-            batch = samples[start : start + cfg.batch_size]
+        finished = itertools.count(1)
+        engine.on_generation = lambda: progress.update(bar, completed=min(len(samples), next(finished)))
+        for start in range(0, len(samples), chunk):
+            batch = samples[start : start + chunk]
             rows.extend(task.predict(batch, lm, engine))
-            progress.advance(bar, len(batch))
+            progress.update(bar, completed=start + len(batch))
     wall = time.perf_counter() - t0
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
@@ -261,6 +270,7 @@ SUMMARY_COLUMNS = {
     "peak_memory_bytes": ("peak_memory_bytes", "max"),
     "peak_memory_above_weights_bytes": ("peak_memory_above_weights_bytes", "max"),
     "decode_kv_bytes_mean": ("decode_kv_bytes_mean", "mean"),
+    "batch_size_realized": ("decode_batch_size", "max"),  # batch_size=auto: the slots it chose
 }
 
 

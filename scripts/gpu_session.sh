@@ -3,7 +3,8 @@
 # transformers, pandas, pyarrow (see results/gpu/*/README.md), with wheels of hydra-core, omegaconf and
 # antlr4-python3-runtime in .whl/:
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests; bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
+#   bash $s setup; bash $s tests; bash $s decode --methods A,B ...; bash $s grid --models M --methods A,B \
+#       --lengths 32768 ...; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars /tmp/gpu (all outputs) into $OUT/gpu.tar.gz.
 set -u
 step=$1
@@ -31,6 +32,8 @@ tests)  # compiled kernels against the torch references, CUDA graphs against eag
 bench)  # kernel timings, torch vs Triton
   timeout 150 python3 -m kvbench.bench kernels --device cuda --head-dim 128 --repeats 5 --max-seconds 2 --out $work/bench \
     2>&1 | tail -40 ;;
+decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host gap, points in one step
+  timeout 560 python3 -m scripts.bench_decode_loop "$@" 2>&1 | tee $work/decode_loop.md | grep -vE "^Loading" ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 targets)
@@ -38,5 +41,5 @@ targets)
 pack)
   tar czf $OUT/gpu.tar.gz -C /tmp gpu; ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, bench, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, bench, decode, grid, targets, pack"; exit 2 ;;
 esac

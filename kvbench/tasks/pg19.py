@@ -61,6 +61,7 @@ class PG19(Task):
     """Perplexity task; see the module docstring for every protocol switch."""
 
     name: ClassVar[str] = "pg19"
+    lockstep_batches: ClassVar[bool] = True
     source: str = "hub"
     data_dir: str | None = None
     text_file: str | None = None
