@@ -28,9 +28,9 @@ setup)  # every wheel in .whl/, then the versions, and the wheels' requirements 
 tests)  # the fast suite with the CUDA tests on (Triton kernels compiled against the torch references, CUDA graphs
         # against eager steps, no sync in a step), then the slow kernel tests (every method on both backends)
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
-  timeout 360 python3 -m pytest -q -p no:cacheprovider -rs --junitxml=$work/tests.xml > $work/tests.log 2>&1
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -rs --junitxml=$work/tests.xml > $work/tests.log 2>&1
   echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $work/tests.log
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m slow tests/kernels --junitxml=$work/kernel_slow.xml \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m slow tests/kernels --junitxml=$work/kernel_slow.xml \
     > $work/kernel_slow.log 2>&1
   echo "slow kernel tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $work/kernel_slow.log ;;
 e2e)    # tasks end to end on a GPU model (default llama3.1-8b-shape-random): NIAH, LongBench on its bundled samples,
@@ -39,7 +39,7 @@ e2e)    # tasks end to end on a GPU model (default llama3.1-8b-shape-random): NI
   root=$work/e2e
   run() {  # name, then kvbench arguments
     local name=$1; shift
-    timeout 240 python3 -m kvbench "$@" results_root=$root > $work/e2e_$name.log 2>&1
+    timeout 180 python3 -m kvbench "$@" results_root=$root > $work/e2e_$name.log 2>&1
     echo "$name rc=$? $(grep -cE '^│' $work/e2e_$name.log) table rows"; grep -E "Error|kvbench sweep" $work/e2e_$name.log
   }
   run niah model=$model method=snapkv budget=0.2 task=niah
