@@ -42,6 +42,7 @@ from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.errors import ConfigError
+from kvbench.hf_compat import cache_keyword
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
@@ -369,8 +370,8 @@ class Engine:
                  plan: PassPlan, logits_to_keep: int = 0) -> Tensor:
         cache.plan = plan
         with torch.inference_mode(), attach(self.model, self.attn_implementation):
-            out = self.model(input_ids=tokens, position_ids=rope_positions, past_key_values=cache, use_cache=True,
-                             kvbench_cache=cache, logits_to_keep=logits_to_keep)
+            out = self.model(input_ids=tokens, position_ids=rope_positions, **{cache_keyword(type(self.model)): cache},
+                             use_cache=True, kvbench_cache=cache, logits_to_keep=logits_to_keep)
         return out.logits
 
     def _with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:

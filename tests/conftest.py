@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,12 @@ CONF = REPO / "conf"
 # handler, and absl's (imported with rouge_score) then closes its stream, pytest's capture, when sys.stderr
 # is redirected at that moment. These overrides leave logging alone.
 KEEP_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def pythonpath_with_repo() -> str:
+    """PYTHONPATH for a subprocess that must import this checkout's kvbench: the repository first, then the
+    caller's entries (on the GPU machine they hold the dependencies carried as wheels)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 def pytest_configure(config):

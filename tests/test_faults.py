@@ -23,7 +23,7 @@ from kvbench import cli, status, store
 from kvbench.errors import disk_full_line
 from kvbench.report import data, main as report_main
 from kvbench.tasks.base import Task
-from tests.conftest import REPO, kvbench_command
+from tests.conftest import REPO, kvbench_command, pythonpath_with_repo
 from tests.full_disk import disk  # noqa: F401 - the fixture
 from tests.report.synthetic import passkey_predictions, write
 
@@ -64,7 +64,7 @@ def refuse(error: OSError):
 
 def killed_writer(root: Path, rid: str) -> None:
     child = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root), rid], stdout=subprocess.PIPE,
-                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": pythonpath_with_repo()})
     assert child.stdout.readline().strip() == "writing"
     child.send_signal(signal.SIGKILL)
     child.wait()

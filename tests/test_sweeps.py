@@ -21,7 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins import kvbench_launchers as launchers
 from kvbench import runner, status, store
 from kvbench.tasks.base import Task
-from tests.conftest import REPO, kvbench_command
+from tests.conftest import REPO, kvbench_command, pythonpath_with_repo
 from tests.test_runner import make_cfg
 
 RESUME = "kvbench: interrupted (Ctrl-C): run the same command again to resume (finished points are skipped)"
@@ -231,7 +231,7 @@ def test_ctrl_c_in_a_terminal_on_a_local_sweep(tmp_path):
     """Issue 24, case 7, as a terminal does it: SIGINT to the process group of ``kvbench -m
     hydra/launcher=local ...`` (the launcher, the job's controller and its run) while a point runs."""
     root, folder = tmp_path / "results", tmp_path / "submitit"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KVBENCH_SUBMITIT_DIR": str(folder)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_repo(), "KVBENCH_SUBMITIT_DIR": str(folder)}
     args = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[2048]", "method=h2o,snapkv",
             "task.depths=[0,10,20,30,40,50,60,70,80,90,100]", f"results_root={root}"]
     sweep_ = subprocess.Popen([sys.executable, "-m", "kvbench", "-m", "hydra/launcher=local", *args], cwd=REPO,

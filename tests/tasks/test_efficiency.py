@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -21,8 +20,8 @@ from kvbench.methods.full import Full
 from kvbench.methods.streamingllm import StreamingLLM
 from kvbench.tasks.base import Sample
 from kvbench.tasks.efficiency import Efficiency, largest_batch, throughput_metrics
+from tests.conftest import pythonpath_with_repo
 
-REPO = Path(__file__).resolve().parents[2]
 # tiny-llama-random: 2 layers, 2 key/value heads of width 16, float32 -> one slot of K+V in one head = 128 bytes
 SLOT_BYTES, LAYERS, KV_HEADS = 2 * 16 * 4, 2, 2
 
@@ -169,7 +168,7 @@ def run_throughput(tmp_path, model: str, context: int, cap_gib: float) -> tuple[
             "task=efficiency", "task.measure=throughput", f"task.context_lengths=[{context}]", "task.new_tokens=2",
             f"task.memory_cap_gib={cap_gib}", "task.memory_bandwidth_gbps=10", "task.warmup=1", "task.repeats=2",
             f"results_root={root}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     tries = pd.read_parquet(root / "predictions.parquet")

@@ -18,7 +18,7 @@ import pytest
 from kvbench.errors import ConfigError
 from kvbench.tasks.sources import PACKAGE_DATA, read_records
 
-from tests.conftest import REPO
+from tests.conftest import REPO, pythonpath_with_repo
 from tests.fake_hub import FakeHub
 
 LONGBENCH, ZEROSCROLLS, PG19, GSM8K = "THUDM/LongBench", "tau/zero_scrolls", "emozilla/pg19-test", "openai/gsm8k"
@@ -90,7 +90,7 @@ def from_fixtures() -> dict:
 
 def load_through(endpoint: str, home: Path, revision: str = "main") -> dict:
     """Run the tasks' hub loading in a fresh process whose huggingface_hub talks to ``endpoint``."""
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "PYTHONPATH": pythonpath_with_repo()}
     env.pop("HF_HUB_OFFLINE", None)
     script = f"SOURCE, REV, TASKS = 'hub', {revision!r}, {TASKS!r}\n{LOAD_ALL}"
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
