@@ -107,8 +107,8 @@ class Generation:
     decode_seconds: float  # all decode steps, decode-time compression included
     decode_compress_seconds: float  # decode-time compression alone (inside decode_seconds)
     tpot_seconds: float  # decode time per generated token (one batched decode step)
-    peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
-    peak_memory_above_weights_bytes: int  # the peak minus the model's parameters (CPU growth excludes them)
+    peak_memory_bytes: int  # during this call: bytes of live tensors at their peak, weights included (kvbench.memory)
+    peak_memory_above_weights_bytes: int  # the peak minus the model's parameters
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
 
 
@@ -465,11 +465,10 @@ class Engine:
         """Greedy decoding. ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the prefill
         compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output);
         ``stop_when(tokens)`` ends a row once it returns True for the row's output so far (stop strings)."""
-        with PeakMemory(self.device) as peak, attach(self.model, self.attn_implementation):
+        with PeakMemory(self.device, baseline=self.weight_bytes) as peak, attach(self.model, self.attn_implementation):
             gens = self._generate(prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, stop_when)
-        above = peak.bytes - self.weight_bytes if self.device.type == "cuda" else peak.bytes
         for gen in gens:
-            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak.bytes, above
+            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak.bytes, peak.bytes - self.weight_bytes
         return gens
 
     def _generate(self, prompts, max_new_tokens, stop_token_ids, suffixes, min_new_tokens, stop_when):
