@@ -3,8 +3,11 @@
     python scripts/bench_attention.py --length 32768 --heads 32 --kv-heads 8 --head-dim 128
 
 Prefill: the wrapped sdpa (what the full cache runs), the lse-returning forwards (FlashAttention's, cuDNN's),
-the column-sum pass from the lse at several tile shapes, and the window-only statistics. Decode: sdpa over a
-dense cache against the split-K kernel over static-capacity storage, at the full and at a 0.2 cache.
+the column-sum pass from the lse at several tile shapes, and the window-only statistics. Chunked prefill: the
+whole prompt as ``--chunk``-token chunks through ``chunk_attention`` (each chunk over the cached slots and its
+own), summed, against the unchunked causal pass and FlashAttention's bottom-right causal op over the same
+dense chunks. Decode: sdpa over a dense cache against the split-K kernel over static-capacity storage, at the
+full and at a 0.2 cache.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from kvbench.kernels import triton_attention
+from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import causal_attention_lse
 from kvbench.kernels.triton_decode import decode_attention
 
@@ -31,6 +35,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=4096)
     args = parser.parse_args()
     n, hq, hkv, d = args.length, args.heads, args.kv_heads, args.head_dim
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -63,6 +68,13 @@ def main() -> None:
     rows.append(("window stats: lse of last window (Triton) + sums", ms(lambda: triton_attention.column_sums_from_lse(
         q[:, :, -w:], k, triton_attention.attention_lse(q[:, :, -w:], k, None, valid, key_pos, pos[:, -w:], scale)[1],
         valid, key_pos, pos[:, -w:], scale, window=w))))
+    c = args.chunk
+    stores = [(torch.full((1, hkv), stop, device="cuda"), q[:, :, stop - c:stop]) for stop in range(c, n + 1, c)]
+    rows.append((f"chunked prefill: {len(stores)} chunks of {c}, chunk_attention (Triton), sum", ms(lambda: [
+        chunk_attention(qc, k, v, lengths, scale) for lengths, qc in stores])))
+    rows.append((f"chunked prefill: {len(stores)} chunks of {c}, flash op bottom-right causal, sum", ms(lambda: [
+        torch.ops.aten._scaled_dot_product_flash_attention(qc, kr[:, :, :int(lengths[0, 0])], vr[:, :, :int(
+            lengths[0, 0])], 0.0, True, False, scale=scale) for lengths, qc in stores])))
     flops = 4 * n * n * d * hq / 2
     for cache in (n, n // 5):
         kc, vc = k[:, :, :cache].contiguous(), v[:, :, :cache].contiguous()
