@@ -69,12 +69,13 @@ def main() -> None:
         q[:, :, -w:], k, triton_attention.attention_lse(q[:, :, -w:], k, None, valid, key_pos, pos[:, -w:], scale)[1],
         valid, key_pos, pos[:, -w:], scale, window=w))))
     c = args.chunk
-    stores = [(torch.full((1, hkv), stop, device="cuda"), q[:, :, stop - c:stop]) for stop in range(c, n + 1, c)]
+    stops = range(c, n + 1, c)
+    stores = [(torch.full((1, hkv), stop, device="cuda"), q[:, :, stop - c:stop]) for stop in stops]
     rows.append((f"chunked prefill: {len(stores)} chunks of {c}, chunk_attention (Triton), sum", ms(lambda: [
         chunk_attention(qc, k, v, lengths, scale) for lengths, qc in stores])))
     rows.append((f"chunked prefill: {len(stores)} chunks of {c}, flash op bottom-right causal, sum", ms(lambda: [
-        torch.ops.aten._scaled_dot_product_flash_attention(qc, kr[:, :, :int(lengths[0, 0])], vr[:, :, :int(
-            lengths[0, 0])], 0.0, True, False, scale=scale) for lengths, qc in stores])))
+        torch.ops.aten._scaled_dot_product_flash_attention(q[:, :, stop - c:stop], kr[:, :, :stop], vr[:, :, :stop],
+                                                           0.0, True, False, scale=scale) for stop in stops])))
     flops = 4 * n * n * d * hq / 2
     for cache in (n, n // 5):
         kc, vc = k[:, :, :cache].contiguous(), v[:, :, :cache].contiguous()
