@@ -37,6 +37,7 @@ from torch import Tensor
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
+from kvbench.compile import compile_enabled, compiled_decode
 from kvbench.errors import ConfigError
 from kvbench.graphs import DecodeGraph
 from kvbench.kv import AttentionStats, LayerKV
@@ -200,6 +201,7 @@ class Engine:
     after every chunk, seeing for every cached slot its attention summed over all prompt queries so far
     (``column_sums``) and the chunk's own last ``window`` queries (``window_column_sums``).
     cuda_graphs: replay decode steps as CUDA graphs (``kvbench.graphs``).
+    compile: run one-token passes through compiled decoder layers (``kvbench.compile``): true, false or auto.
     decode_path: "in_place" (one slot evicted in place per step where the method can) or "compress" (the
     method's functional ``compress`` every time: the reference the in-place path is tested against).
     """
@@ -214,6 +216,7 @@ class Engine:
         prefill_chunk_size: int | None = None,
         cuda_graphs: bool = False,
         decode_path: str = "in_place",
+        compile: str | bool = "auto",
     ) -> None:
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"unknown position_mode '{position_mode}'; accepted: {', '.join(POSITION_MODES)}")
@@ -239,6 +242,7 @@ class Engine:
         if cuda_graphs and self.device.type != "cuda":
             raise ConfigError(f"engine.cuda_graphs=true needs a CUDA model; this one is on {self.device}")
         self.cuda_graphs = cuda_graphs
+        self.compile_decode = compile_enabled(compile, self.device, cuda_graphs)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
@@ -246,7 +250,7 @@ class Engine:
     def with_method(self, method: Method, budget: Budget) -> "Engine":
         """The same model and engine settings with another method and budget (reference systems)."""
         return Engine(self.model, method, budget, self.attn_implementation, self.position_mode,
-                      self.prefill_chunk_size, self.cuda_graphs, self.decode_path)
+                      self.prefill_chunk_size, self.cuda_graphs, self.decode_path, self.compile_decode)
 
     def in_place_eviction(self, q: int) -> bool:
         """Whether a pass of q tokens compresses through ``Method.evict_one`` (rows over budget by one)."""
@@ -266,7 +270,8 @@ class Engine:
     def _forward(self, tokens: Tensor, index: Tensor, rope_positions: Tensor, cache: CompressedCache,
                  plan: PassPlan, logits_to_keep: int = 0) -> Tensor:
         cache.plan = plan
-        with torch.inference_mode(), attach(self.model, self.attn_implementation):
+        with torch.inference_mode(), attach(self.model, self.attn_implementation), compiled_decode(
+                self.model, self.compile_decode and tokens.shape[1] == 1):
             out = self.model(input_ids=tokens, position_ids=rope_positions, past_key_values=cache, use_cache=True,
                              kvbench_cache=cache, logits_to_keep=logits_to_keep)
         return out.logits

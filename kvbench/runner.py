@@ -123,7 +123,8 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
     dispatch.set_backend(cfg.kernels.backend)
     lm, method, budget, task = build(cfg)
     engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
+                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
+                    compile=cfg.engine.compile)
     samples = task.samples()
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
@@ -160,6 +161,7 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
         **_flatten("engine", config["engine"]),
+        "engine.compile": engine.compile_decode,  # what auto resolved to on this device
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
