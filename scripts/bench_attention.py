@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kvbench.kernels import triton_attention
+from kvbench.kernels import triton_attention, triton_decode
 from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import causal_attention_lse
 from kvbench.kernels.triton_decode import decode_attention
@@ -90,6 +90,19 @@ def main() -> None:
             qd, store_k, store_v, lengths, None, None, scale, cache + 64))))
         rows.append((f"decode split-K + step attention, {cache} slots", ms(lambda: decode_attention(
             qd, store_k, store_v, lengths, None, None, scale, cache + 64, want_step=True))))
+    # the split-K kernel's tiles (slots, warps, stages) and waves: the bytes-read time of K+V is the target
+    kv_bytes = 2 * n * hkv * d * 2
+    store_k, store_v = (torch.cat([t, t.new_zeros(1, hkv, 64, d)], dim=2) for t in (k, v))
+    qd, lengths = q[:, :, -1:].contiguous(), torch.full((1, hkv), n, device="cuda")
+    chosen = triton_decode.DECODE_TILES, triton_decode.WAVES
+    for tiles in [(64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4)]:
+        for waves in (2, 4):
+            triton_decode.DECODE_TILES, triton_decode.WAVES = tiles, waves
+            triton_decode._programs_wanted.cache_clear()
+            t = ms(lambda: decode_attention(qd, store_k, store_v, lengths, None, None, scale, n + 64))
+            rows.append((f"decode split-K tiles {tiles}, {waves} waves, {n} slots: {kv_bytes / t / 1e6:.0f} GB/s", t))
+    triton_decode.DECODE_TILES, triton_decode.WAVES = chosen
+    triton_decode._programs_wanted.cache_clear()
     print(f"one layer, {n} tokens, {hq} query / {hkv} kv heads, head dim {d}, bf16 "
           f"(causal attention = {flops / 1e12:.2f} TFLOP)")
     for name, t in rows:
