@@ -63,3 +63,23 @@ def test_compile_setting():
     for bad in ("yes", 1, None):
         with pytest.raises(ConfigError, match=f"engine.compile={bad!r}; accepted: auto, true, false"):
             compile_enabled(bad, cpu, cuda_graphs=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["full", "h2o"])
+def test_compiled_layers_replay_in_cuda_graphs(name):
+    """What the GPU runs by default (auto): compiled layers captured in the decode graph, against eager."""
+    from kvbench import models
+    from tests.conftest import tiny_model_config
+    from tests.test_cuda_decode import decode
+    from tests.test_decode_paths import build, random_prompts
+
+    model = models.load(tiny_model_config(device="cuda")).model
+    prompts = random_prompts([45, 30], model.config.vocab_size)
+    eager, tokens, _ = decode(Engine(model, build(name), Budget("tokens", 12), compile=False), prompts, 12)
+    engine = Engine(model, build(name), Budget("tokens", 12), cuda_graphs=True)
+    assert engine.compile_decode  # auto: on for a CUDA model with graphs
+    graphed, _, runner = decode(engine, prompts, 12, tokens, graphs=True)
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert runner.replays > 0
