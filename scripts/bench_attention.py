@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kvbench.kernels import triton_attention, triton_decode
+from kvbench.kernels import triton_attention, triton_chunk, triton_decode
 from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import causal_attention_lse
 from kvbench.kernels.triton_decode import decode_attention
@@ -71,8 +71,12 @@ def main() -> None:
     c = args.chunk
     stops = range(c, n + 1, c)
     stores = [(torch.full((1, hkv), stop, device="cuda"), q[:, :, stop - c:stop]) for stop in stops]
-    rows.append((f"chunked prefill: {len(stores)} chunks of {c}, chunk_attention (Triton), sum", ms(lambda: [
-        chunk_attention(qc, k, v, lengths, scale) for lengths, qc in stores])))
+    chosen = triton_chunk.TILES
+    for tiles in [chosen, (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2)]:
+        triton_chunk.TILES = tiles
+        rows.append((f"chunked prefill: {len(stores)} chunks of {c}, chunk_attention tiles {tiles}, sum", ms(
+            lambda: [chunk_attention(qc, k, v, lengths, scale) for lengths, qc in stores])))
+    triton_chunk.TILES = chosen
     rows.append((f"chunked prefill: {len(stores)} chunks of {c}, flash op bottom-right causal, sum", ms(lambda: [
         torch.ops.aten._scaled_dot_product_flash_attention(q[:, :, stop - c:stop], kr[:, :, :stop], vr[:, :, :stop],
                                                            0.0, True, False, scale=scale) for stop in stops])))
