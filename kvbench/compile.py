@@ -20,7 +20,6 @@ compilation ever runs inside a capture.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -49,14 +48,14 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [*body.layers, *(m for m in (getattr(body, "norm", None), getattr(body, "rotary_emb", None)) if m)]
 
 
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its compiled call
+COMPILED_CALL = "_kvbench_compiled_call"  # the module attribute that keeps its compiled call between passes
 
 
 def _compiled_call(module: nn.Module) -> Callable:
-    """The module's call compiled once (as ``nn.Module.compile`` does it), kept for every later pass."""
-    if module not in _compiled:
-        _compiled[module] = torch.compile(module._call_impl)
-    return _compiled[module]
+    """The module's call compiled once (as ``nn.Module.compile`` does it), kept on the module for later passes."""
+    if COMPILED_CALL not in module.__dict__:
+        module.__dict__[COMPILED_CALL] = torch.compile(module._call_impl)
+    return module.__dict__[COMPILED_CALL]
 
 
 @contextmanager
@@ -64,7 +63,7 @@ def compiled_decode(model: nn.Module, enabled: bool):
     """Run the block's forward passes through the compiled modules when ``enabled``; restore them after."""
     modules = compiled_modules(model) if enabled else []
     previous = [m._compiled_call_impl for m in modules]
-    if any(p is not None and p is _compiled.get(m) for m, p in zip(modules, previous)):  # inside such a block
+    if any(p is not None and p is m.__dict__.get(COMPILED_CALL) for m, p in zip(modules, previous)):  # nested
         modules, previous = [], []
     for module in modules:
         module._compiled_call_impl = _compiled_call(module)
