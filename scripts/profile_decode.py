@@ -7,7 +7,8 @@ Prints, per method and mode, the step time (host included), the GPU time and ker
 category (GEMM, attention, cache write/eviction, elementwise fused by compile, elementwise from aten, other),
 the kernels that take most of it (count per step, microseconds per step), from torch.profiler's CUDA activity
 (CUPTI also sees kernels inside graph replays), and the step's bytes-read bound (weights + the K+V bytes the
-step reads, at the measured copy bandwidth) with the achieved fraction bound / step time.
+step reads, at the measured copy bandwidth) with the achieved fraction: bound / step time, and bound / GPU
+time (the step without the host's share).
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ def main() -> None:
                   f"{bound * 1e3:.2f} ms at {bandwidth / 1e12:.2f} TB/s: achieved fraction {bound / seconds:.2f}")
             print("\n".join(lines), flush=True)
             summary.append(f"  {name:>12} {mode:>15} {seconds * 1e3:8.2f} {gpu_ms:8.2f} {kernels:8.0f} "
-                           f"{bound * 1e3:8.2f} {bound / seconds:9.2f}")
+                           f"{bound * 1e3:8.2f} {bound / seconds:9.2f} {bound * 1e3 / max(gpu_ms, 1e-9):9.2f}")
             del session, runner
             torch.cuda.empty_cache()
-    print(f"  {'method':>12} {'mode':>15} {'step ms':>8} {'GPU ms':>8} {'kernels':>8} {'bound ms':>8} {'fraction':>9}")
+    print(f"  {'method':>12} {'mode':>15} {'step ms':>8} {'GPU ms':>8} {'kernels':>8} {'bound ms':>8} {'fraction':>9} "
+          f"{'of GPU':>9}")
     print("\n".join(summary))
 
 
