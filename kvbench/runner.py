@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbench
 from kvbench import checks, models, status, store, trackers
 from kvbench.budget import Budget
+from kvbench.compile import compile_enabled
 from kvbench.engine import Engine, peak_memory_bytes
 from kvbench.errors import ConfigError, describe, disk_full, disk_full_line
 from kvbench.kernels import dispatch
@@ -40,8 +41,12 @@ def result_config(cfg: DictConfig) -> dict:
     out, so a budget sweep runs it once."""
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in RESULT_KEYS}
-    if config["engine"].get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
-        config["engine"]["cuda_graphs"] = torch.device(str(cfg.model.device)).type == "cuda"
+    engine, device = config["engine"], torch.device(str(cfg.model.device))
+    if engine.get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
+        engine["cuda_graphs"] = device.type == "cuda"
+    if "compile" in engine:  # resolved too; off is left out, so runs made before the switch existed keep their id
+        if compile_enabled(engine.pop("compile"), device, engine["cuda_graphs"]):
+            engine["compile"] = True
     if method_name(cfg) == FULL:
         config["budget"] = None
     return config
@@ -156,7 +161,7 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
     lm, method, budget, task = build(cfg)
     engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
                     prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
-                    batch_size=cfg.batch_size)
+                    batch_size=cfg.batch_size, compile=cfg.engine.compile)
     samples = checks.task_samples(task)
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
@@ -196,6 +201,7 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
         **_flatten("engine", config["engine"]),
+        "engine.compile": engine.compile_decode,  # what auto resolved to on this device
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
