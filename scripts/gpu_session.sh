@@ -53,6 +53,9 @@ bench)  # kernel timings, torch vs Triton
     2>&1 | tail -40 ;;
 decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host gap, points in one step
   timeout 560 python3 -m scripts.bench_decode_loop "$@" 2>&1 | tee $work/decode_loop.md | grep -vE "^Loading" ;;
+prefill)  # every method's prompt compression on one Llama-3.1-8B-shaped layer beside the layer (16k, 32k)
+  timeout 240 python3 scripts/bench_prefill.py --profile "$@" > $work/bench_prefill.log 2>&1
+  echo "bench_prefill rc=$?"; grep -E "^\|" $work/bench_prefill.log ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 targets)
@@ -60,5 +63,5 @@ targets)
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, prefill, grid, targets, pack"; exit 2 ;;
 esac
