@@ -165,6 +165,17 @@ class LayerKV:
             return None
         return self.state_block if all(t is v for t, v in zip(self.state.values(), views)) else None
 
+    def state_storage(self) -> Tensor:
+        """The (S, B, H, T) float32 block every state entry is a view of, packing the states first if they are
+        not (the engine's decode storage always is), for the fused decode steps that move every state at once."""
+        block = self.packed_state()
+        if block is None:
+            self.pack_state()
+            block = self.packed_state()
+        if block is None:
+            raise ValueError(f"fused decode steps need float32 states; got {[str(t.dtype) for t in self.state.values()]}")
+        return block
+
     def remove_slot(self, victim: Tensor) -> None:
         """Remove slot ``victim`` (B, H) of every row in place: the row's last slot moves into it and the row
         shrinks by one (one slot copied per row instead of a re-gathered cache). Slots are no longer in

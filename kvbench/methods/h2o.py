@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.select import heavy_split, keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import (Method, check_count, check_unit_interval, pass_observers, per_sample_n_keep,
                                   prompt_observers)
@@ -94,9 +94,3 @@ class H2O(Method):
         sinks, recent = heavy_split(per_sample_n_keep(n_keep, kv), self.heavy_ratio, self.sinks)
         kv.evict_lowest(kv.state[SCORE], sinks.squeeze(-1), recent.squeeze(-1))
 
-
-def heavy_split(keep: Tensor, heavy_ratio: float, sinks: int) -> tuple[Tensor, Tensor]:
-    """Per-row (B, H, 1) protected sinks and recent window of a (B, H) budget split into
-    ``floor(heavy_ratio * keep)`` heavy hitters (sinks among them) and the rest recent (also CaM's H2O)."""
-    heavy = torch.floor(heavy_ratio * keep.double()).long()
-    return heavy.clamp(max=sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
