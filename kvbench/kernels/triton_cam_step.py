@@ -39,7 +39,7 @@ def _mix32(x):
 def _uniform(key, head, position, step):
     """cam_step.uniform_draws for one slot."""
     mask = tl.full((), 0xFFFFFFFF, tl.int64)
-    x = _mix32(key.to(tl.int64) ^ head)
+    x = _mix32((key + tl.zeros((), tl.int64)) ^ head)
     x = _mix32(x ^ (position & mask))
     x = _mix32(x ^ (step & mask))
     return (x >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
@@ -53,7 +53,8 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
     length = tl.load(len_ptr + row)
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     if HEAVY:  # select.heavy_split, in float64 as there
-        heavy = tl.floor(tl.full((), RATIO_BITS, tl.int64).to(tl.float64, bitcast=True) * keep.to(tl.float64))
+        ratio = (RATIO_BITS + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)  # the float64 ratio, exactly
+        heavy = tl.floor(ratio * keep.to(tl.float64))
         sinks = tl.minimum(heavy.to(tl.int64), SINKS)
         recent = keep - heavy.to(tl.int64)
     else:  # select.eviction_order: oldest first, newest first when the budget is all sinks
@@ -92,7 +93,7 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
     prob = tl.where(count > 0, tl.minimum(tl.maximum(ratio, 0.0), 1.0), 0.0)
     if DRAW:
         prob = (_uniform(KEY, row % H, evicted, newest) < prob).to(tl.float32)
-    share = tl.math.div_rn(prob, N.to(tl.float32))
+    share = tl.math.div_rn(prob, N + tl.zeros((), tl.float32))
     dv = tl.arange(0, BLOCK_DV)
     x_e = tl.load(v_ptr + (row * C + victim) * DV + dv, mask=dv < DV).to(tl.float32)
     at = v_ptr + (row * C + targets[:, None]) * DV + dv[None, :]
