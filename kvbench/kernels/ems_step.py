@@ -19,7 +19,7 @@ One row of ``keep + 1`` slots (any slot order; positions say which token a slot 
 Entries of the other slots keep their state exactly (compress re-derives their merged_mass as
 (score + merged_mass) - score, equal up to float32 rounding).
 
-Torch reference. Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
+Torch reference; ``triton_ems_step`` holds the two-launch kernel of the same signature (``dispatch``). Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
 (B, H) long; state (S, B, H, C) float32, every per-slot state stacked; ``scores`` (s_glo, s_loc_past,
 s_loc_cur) and ``merges`` (merged_mass, merged_tokens, logit_bias or None) rows of it; ``lut`` the tables
 (position long, centre long, norm float32), each (B, H, E), or None; n_keep (B,) long.
@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.redundancy import redundancy, rotate_like
 from kvbench.kernels.similarity import unit_keys
 from kvbench.kernels.slots import move_last_into
@@ -65,6 +66,11 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
              lut: tuple[Tensor, Tensor, Tensor] | None, n_keep: Tensor, window: int, tau: float, gamma: float,
              similarity: str, with_positions: bool) -> None:
     """Merge or evict, and remove, one slot of every row in place (module docstring); ``lengths`` drop by one."""
+    if use_triton("ems_step", keys):
+        from kvbench.kernels import triton_ems_step
+
+        return triton_ems_step.ems_step(keys, values, positions, lengths, state, raw_keys, scores, merges, lut,
+                                        n_keep, window, tau, gamma, similarity, with_positions)
     s_glo, s_loc_past, s_loc_cur = scores
     merged_mass, merged_tokens, logit_bias = merges
     C = positions.shape[-1]

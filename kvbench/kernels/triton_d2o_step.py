@@ -23,13 +23,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
-                                          newest_position)
+                                          newest_position, row_blocks)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
-PROGRAMS_PER_SM = 4  # phase 1 splits rows into blocks until about this many programs per multiprocessor
-CPU_PROGRAMS = 8  # the interpreter's stand-in for a device's programs (so that tests cover several blocks)
 EPS = 1e-12  # F.normalize's
 
 
@@ -150,22 +148,13 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, victim_ptr
               BLOCK_DV, BLOCK_S)
 
 
-def _blocks(rows: int, C: int, device: torch.device) -> tuple[int, int]:
-    """(number of blocks per row, slots per block) for phase 1: enough programs to fill the device."""
-    programs = CPU_PROGRAMS if device.type != "cuda" else (
-        PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
-    wanted = max(1, min(triton.cdiv(programs, rows), triton.cdiv(C, BLOCK_S)))
-    span = triton.cdiv(triton.cdiv(C, wanted), BLOCK_S) * BLOCK_S
-    return triton.cdiv(C, span), span
-
-
 def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
              threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
              layer_scope: bool, weighted: bool) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, attention, threshold)
     S, DV, rows = state.shape[0], values.shape[-1], B * H
-    NB, span = _blocks(rows, C, keys.device)
+    NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
     victim = torch.empty(rows, dtype=torch.long, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)

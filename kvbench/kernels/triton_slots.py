@@ -17,6 +17,8 @@ from torch import Tensor
 BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
 WARPS = 16
 NO_POSITION = tl.constexpr(2**63 - 1)  # above every real position
+PROGRAMS_PER_SM = 4  # ``row_blocks`` splits rows until about this many programs per multiprocessor
+CPU_PROGRAMS = 8  # the interpreter's stand-in for a device's programs (so that tests cover several blocks)
 
 
 @triton.jit
@@ -122,6 +124,17 @@ def _evict_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, k_ptr, v_pt
 
 def block_size(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
+
+
+def row_blocks(rows: int, C: int, tile: int, device: torch.device) -> tuple[int, int]:
+    """Split each of ``rows`` rows of C slots into blocks of whole tiles, enough to fill the device: (number
+    of blocks per row, slots per block). A kernel that reads every key of a row (a best-match search) runs one
+    program per (row, block), so that a batch of one still spreads over the multiprocessors."""
+    programs = CPU_PROGRAMS if device.type != "cuda" else (
+        PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    wanted = max(1, min(triton.cdiv(programs, rows), triton.cdiv(C, tile)))
+    span = triton.cdiv(triton.cdiv(C, wanted), tile) * tile
+    return triton.cdiv(C, span), span
 
 
 def _rows(*tensors: Tensor) -> list[Tensor]:

@@ -8,12 +8,20 @@ rounding: it is a cosine), keys and values up to one rounding of the storage dty
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvbench.kernels import (cam_step, d2o_step, triton_cam_step, triton_d2o_step, triton_weightedkv_step,
-                             weightedkv_step)
+import kvbench.kernels
+
+from kvbench.kernels import (cam_step, d2o_step, ems_step, triton_cam_step, triton_d2o_step, triton_ems_step,
+                             triton_weightedkv_step, weightedkv_step)
 from kvbench.kernels.dispatch import use_backend
+from kvbench.kv import AttentionStats, LayerKV
+from tests.test_decode_paths import build
 
 # (B, H, C, D): one slot, block-size multiples +- 1, head dims 64 and 128, a row longer than the D2O blocks
 SHAPES = [(1, 1, 1, 64), (2, 3, 7, 64), (2, 2, 65, 128), (1, 4, 300, 64), (3, 1, 129, 128)]
@@ -125,3 +133,107 @@ def test_d2o_step_matches_reference(shape, layer_scope, weighted, seed, dtype, o
 
     got, want = run_both(d2o_step.d2o_step, triton_d2o_step.d2o_step, make, call)
     assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)  # the threshold follows the cosines
+
+
+# (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
+# gamma just above 1 (a TBM share only for budgets >= 5), and each key rule (lut, bias with/without positions)
+EMS_RULES = [(0.0, 4.0, "key_value", True, False, False), (0.5, 1.0, "key_value", True, False, False),
+             (0.2, float("inf"), "key", True, True, False), (0.0, 1.1, "value", True, False, False),
+             (0.0, 4.0, "key_value", False, True, True), (0.0, 2.0, "key", False, False, True),
+             (0.0, 3.0, "value", False, False, False)]
+
+
+def ems_storage(shape, dtype, seed, lut, bias, entries):
+    """``storage`` with EMS's states (s_glo, s_loc_past, s_loc_cur, merged_mass, merged_tokens, logit_bias),
+    raw keys, and look-up tables: members at odd positions (older and newer than the row's slots), centred on
+    the row's stored positions, some rows' tables full."""
+    s = storage(*shape, 6, dtype, seed)
+    B, H, C, D = shape
+    g = torch.Generator().manual_seed(seed + 100)
+    s["state"][:3] = torch.rand(3, B, H, C, generator=g)
+    s["state"][4] = s["state"][4].round()
+    s["raw_keys"] = torch.randn(B, H, C, D, generator=g).to(dtype)
+    if lut:
+        member = torch.stack([torch.randperm(3 * C + entries, generator=g)[:entries] for _ in range(B * H)])
+        position = (member.view(B, H, entries) * 2 + 3)
+        centre = s["positions"].gather(2, torch.randint(0, C, (B, H, entries), generator=g) % s["lengths"].unsqueeze(-1))
+        unused = torch.rand(B, H, entries, generator=g) < torch.rand(B, H, 1, generator=g).round() * 0.5
+        s["lut"] = (torch.where(unused, -1, position), torch.where(unused, -1, centre),
+                    torch.where(unused, -1.0, torch.rand(B, H, entries, generator=g) + 0.5))
+    return s
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rule", EMS_RULES, ids=str)
+def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
+    tau, gamma, similarity, lut, with_positions, bias = rule
+
+    def call(step, s):
+        merges = (s["state"][3], s["state"][4], s["state"][5] if bias else None)
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"], tuple(s["state"][:3]),
+             merges, s.get("lut"), s["n_keep"], 3, tau, gamma, similarity, with_positions)
+
+    got, want = run_both(ems_step.ems_step, triton_ems_step.ems_step,
+                         lambda: ems_storage(shape, dtype, 7, lut, bias, entries=11), call)
+    assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)  # scores and logs round differently
+    if lut:
+        for name, got_table, want_table in zip(("position", "centre", "norm"), got["lut"], want["lut"]):
+            torch.testing.assert_close(got_table, want_table, msg=name)
+
+
+class Launches(TorchDispatchMode):
+    """Counts what one call issues to the device: Triton kernel launches (every kernel of the kvbench.kernels
+    modules is wrapped), and the torch operators called outside them (the interpreter's own copies of a
+    launch's arguments are not the caller's)."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.kernels: list[str] = []
+        self.torch_ops: list[str] = []
+        self._inside = False
+        for info in pkgutil.iter_modules(kvbench.kernels.__path__, "kvbench.kernels."):
+            if info.name.rsplit(".", 1)[-1].startswith("triton_"):
+                for name, fn in vars(importlib.import_module(info.name)).items():
+                    if hasattr(fn, "run") and hasattr(fn, "fn"):
+                        monkeypatch.setattr(fn, "run", self._counted(name, fn.run))
+
+    def _counted(self, name, run):
+        def launch(*args, **kwargs):
+            self.kernels.append(name)
+            self._inside = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._inside = False
+        return launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside:
+            self.torch_ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,launches", [("cam", 1), ("cam_h2o", 1), ("weightedkv", 1), ("d2o", 2),
+                                           ("d2o_layer_threshold", 2), ("ems", 2), ("ems_bias", 2)])
+def test_fused_decode_step_issues_one_or_two_launches(monkeypatch, name, launches):
+    """One ``evict_one`` with the Triton backend on the engine's decode storage: the whole step is its
+    kernels; nothing else runs on the device but scratch allocations (the torch path issues ~40-150 ops)."""
+    method = build(name)
+    g = torch.Generator().manual_seed(0)
+    B, H, D, prompt = 2, 2, 8, 30
+    n_keep = torch.tensor([12, 9])
+    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g), torch.randn(B, H, prompt, D, generator=g))
+    scores = torch.rand(B, H, prompt, generator=g)
+    with use_backend("torch"):
+        kv = method.compress(0, kv, AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys,
+                                                   num_queries=torch.full((B,), prompt)), n_keep, "prefill")
+    kv.resize(kv.capacity + 1)
+    kv.pack_state()
+    kv.write(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g), torch.full((B, 1), prompt))
+    stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
+                           raw_keys=kv.keys)
+    counter = Launches(monkeypatch)
+    with use_backend("triton"), counter:
+        method.evict_one(0, kv, stats, n_keep)
+    assert len(counter.kernels) == launches, counter.kernels
+    assert set(counter.torch_ops) <= {"aten::empty"}, counter.torch_ops
