@@ -1,4 +1,5 @@
-"""EMS's decode step in place (methods/ems.py: "Decoding"), with its look-up table updated in place.
+"""EMS's decode step in place (methods/ems.py: "Decoding"), with its look-up table updated in place, and the
+per-step update of its scores (``ems_observe``).
 
 One row of ``keep + 1`` slots (any slot order; positions say which token a slot holds) loses one slot, as
 ``EMS.compress`` at decode does on the same row:
@@ -47,6 +48,27 @@ def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
     total_glo = s_glo.sum(-1, keepdim=True)
     ratio = torch.where(total_glo > 0, s_loc.sum(-1, keepdim=True) / total_glo.clamp(min=1e-30), 0.0)
     return torch.maximum(s_glo * ratio, s_loc)
+
+
+def ems_observe(s_glo: Tensor, s_loc_past: Tensor, s_loc_cur: Tensor, s_loc_cur_queries: Tensor,
+                attention: Tensor, lengths: Tensor, window: int) -> None:
+    """In place: s_Glo and s_Loc^cur += the pass's attention (B, H, C) on real slots; every ``window`` queries
+    the local window rolls (s_Loc^past <- s_Loc^cur, s_Loc^cur <- 0). ``s_loc_cur_queries`` holds the queries
+    summed into s_Loc^cur on every real slot of a row (0 on padding)."""
+    if use_triton("ems_observe", attention):
+        from kvbench.kernels import triton_ems_step
+
+        return triton_ems_step.ems_observe(s_glo, s_loc_past, s_loc_cur, s_loc_cur_queries, attention, lengths,
+                                           window)
+    valid = torch.arange(attention.shape[-1], device=attention.device) < lengths.unsqueeze(-1)
+    step = attention.float() * valid
+    s_glo.add_(step)
+    cur = s_loc_cur + step
+    queries = s_loc_cur_queries.amax(-1, keepdim=True) + 1  # (B, H, 1)
+    rolled = queries >= window
+    s_loc_past.copy_(torch.where(rolled, cur, s_loc_past))
+    s_loc_cur.copy_(torch.where(rolled, 0.0, cur))
+    s_loc_cur_queries.copy_(torch.where(rolled, 0, queries).float() * valid)
 
 
 def tbm_share(keep: Tensor, gamma: float) -> Tensor:

@@ -1,4 +1,5 @@
-"""Triton twin of ``ems_step.ems_step``: EMS's decode step in two launches, look-up table included.
+"""Triton twins of ``ems_step.ems_step`` (EMS's decode step in two launches, look-up table included) and of
+``ems_step.ems_observe`` (one launch: the longest query count of the row, then every slot's scores).
 
 Like D2O's step (``triton_d2o_step``), the redundancy of the TBM token with every centre reads every raw key
 and value of the row, so it is split over blocks of slots:
@@ -258,6 +259,37 @@ def _update_lut(pos_ptr, centre_ptr, norm_ptr, row, E, p_t, p_d, norm_t, merged,
     tl.store(pos_ptr + row * E + entry, p_t, mask=insert)
     tl.store(centre_ptr + row * E + entry, p_d, mask=insert)
     tl.store(norm_ptr + row * E + entry, norm_t, mask=insert)
+
+
+@triton.jit
+def _observe_kernel(glo_ptr, past_ptr, cur_ptr, queries_ptr, att_ptr, len_ptr, C, WINDOW, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    length = tl.load(len_ptr + row)
+    queries = tl.full((), float("-inf"), tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        queries = tl.maximum(queries, tl.max(tl.load(queries_ptr + row * C + c, mask=c < C,
+                                                     other=float("-inf")), 0))
+    queries += 1
+    rolled = queries >= WINDOW
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        at = row * C + c
+        inside = c < C
+        step = tl.where(c < length, tl.load(att_ptr + at, mask=inside, other=0.0), 0.0)
+        tl.store(glo_ptr + at, tl.load(glo_ptr + at, mask=inside) + step, mask=inside)
+        cur = tl.load(cur_ptr + at, mask=inside) + step
+        tl.store(past_ptr + at, tl.where(rolled, cur, tl.load(past_ptr + at, mask=inside)), mask=inside)
+        tl.store(cur_ptr + at, tl.where(rolled, 0.0, cur), mask=inside)
+        tl.store(queries_ptr + at, tl.where(c < length, tl.where(rolled, 0.0, queries), 0.0), mask=inside)
+
+
+def ems_observe(s_glo: Tensor, s_loc_past: Tensor, s_loc_cur: Tensor, s_loc_cur_queries: Tensor,
+                attention: Tensor, lengths: Tensor, window: int) -> None:
+    B, H, C = attention.shape
+    check_storage(s_glo, s_loc_past, s_loc_cur, s_loc_cur_queries, attention, lengths)
+    _observe_kernel[(B * H,)](s_glo, s_loc_past, s_loc_cur, s_loc_cur_queries, attention, lengths, C, window,
+                              BLOCK_C=min(BLOCK_C, block_size(C)), num_warps=WARPS)
 
 
 def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, raw_keys: Tensor,

@@ -154,19 +154,6 @@ def prompt_observers(kv: LayerKV) -> Tensor:
     return (kv.lengths.unsqueeze(-1) - slots).clamp(min=0).float()
 
 
-def pass_observers(kv: LayerKV, stats: AttentionStats) -> Tensor:
-    """(B, H, T) float: how many queries of the last pass could attend each slot, after the pass appended its
-    tokens: ``num_queries`` for the older slots, ``q - i`` for the pass's i-th new token (causal), 0 on padding.
-
-    A pass of q tokens counts as q observations, as q one-token steps would; ``num_queries=None`` (a bare
-    statistics object) counts as one query."""
-    valid = kv.valid()
-    queries = 1 if stats.num_queries is None else stats.num_queries.to(kv.positions).view(-1, 1, 1)
-    newest = kv.positions.masked_fill(~valid, -1).amax(-1, keepdim=True)  # (B, H, 1) the pass's last token
-    seen = torch.minimum((newest - kv.positions + 1).clamp(min=0), torch.as_tensor(queries, device=valid.device))
-    return seen.masked_fill(~valid, 0).float()
-
-
 def check_count(method: str, minimum: int, **values) -> None:
     """Raise a ConfigError naming every value that is not an integer >= ``minimum``."""
     for key, value in values.items():

@@ -83,7 +83,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.ems_step import ems_step, global_local_score
+from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, redundancy, rotate_like
 from kvbench.kernels.select import pool1d, true_first
@@ -190,17 +190,11 @@ class EMS(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into s_Glo and s_Loc^cur; roll the local window every
-        L_win queries (s_Loc^past <- s_Loc^cur, s_Loc^cur <- 0). In place: a captured decode step keeps the
-        state tensors."""
-        state, valid = kv.state, kv.valid()
-        step = stats.step_attention.float() * valid
-        state["s_glo"].add_(step)
-        cur = state["s_loc_cur"] + step
-        queries = state["s_loc_cur_queries"].amax(-1, keepdim=True) + 1  # (B, H, 1)
-        rolled = queries >= self.window
-        state["s_loc_past"].copy_(torch.where(rolled, cur, state["s_loc_past"]))
-        state["s_loc_cur"].copy_(torch.where(rolled, 0.0, cur))
-        state["s_loc_cur_queries"].copy_(torch.where(rolled, 0, queries).float() * valid)
+        L_win queries (s_Loc^past <- s_Loc^cur, s_Loc^cur <- 0). In place (``kernels.ems_step.ems_observe``):
+        a captured decode step keeps the state tensors."""
+        state = kv.state
+        ems_observe(state["s_glo"], state["s_loc_past"], state["s_loc_cur"], state["s_loc_cur_queries"],
+                    stats.step_attention, kv.lengths, self.window)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place, the look-up table included

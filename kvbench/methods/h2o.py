@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.observe import pass_observers
 from kvbench.kernels.select import heavy_split, keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import (Method, check_count, check_unit_interval, pass_observers, per_sample_n_keep,
-                                  prompt_observers)
+from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep, prompt_observers
 
 SCORE = "score"  # accumulated attention
 OBSERVED = "observations"  # queries that could see the slot (normalize="mean_over_observers" only)
@@ -74,7 +74,7 @@ class H2O(Method):
         """Accumulate the newest query's attention into the per-slot score (and count its observers)."""
         kv.accumulate(SCORE, stats.step_attention)  # summed over the pass's queries
         if self.normalize == "mean_over_observers":
-            kv.accumulate(OBSERVED, pass_observers(kv, stats))
+            kv.accumulate(OBSERVED, pass_observers(kv.positions, kv.lengths, stats.num_queries))
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":

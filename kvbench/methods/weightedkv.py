@@ -46,11 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvbench.kernels.observe import observe_pass
 from kvbench.kernels.select import keep_topk
 from kvbench.kernels.weightedkv_step import (average_attention, merge_key, pair_fraction, protection,
                                              weightedkv_step)
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, check_count, pass_observers, per_sample_n_keep, prompt_observers
+from kvbench.methods.base import Method, check_count, per_sample_n_keep, prompt_observers
 
 ACCUMULATED = "accumulated_attention"  # a
 OBSERVED = "observations"  # n
@@ -78,9 +79,10 @@ class WeightedKV(Method):
             check_count(self.name, 0, recent=self.recent)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """a += the pass's summed attention; n += the number of its queries that could see the slot."""
-        kv.accumulate(ACCUMULATED, stats.step_attention)
-        kv.accumulate(OBSERVED, pass_observers(kv, stats))
+        """a += the pass's summed attention; n += the number of its queries that could see the slot (in place,
+        ``kernels.observe``: one launch with the Triton backend)."""
+        observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step_attention, kv.positions, kv.lengths,
+                     stats.num_queries)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
