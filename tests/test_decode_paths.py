@@ -114,6 +114,12 @@ def test_in_place_eviction_under_random_attention(name):
     """The same comparison without a model: random attention per position at every step (the tiny model's
     near-uniform attention ranks slots by age, so CaM's merge probabilities would all be 1), checked after
     every step. WeightedKV draws attention from {0, 1/2, 1}: ties of a / n, which go to the oldest slot."""
+    compare_under_random_attention(name, "torch")
+
+
+def compare_under_random_attention(name: str, backend: str) -> None:
+    """``compress`` (torch kernels) against ``observe`` + ``evict_one`` with ``backend``'s kernels, after every
+    step of a random-attention decode (see the test above)."""
     method = build(name)
     g = torch.Generator().manual_seed(0)
     B, H, D, prompt, steps = 2, 2, 8, 30, 24
@@ -128,7 +134,8 @@ def test_in_place_eviction_under_random_attention(name):
     scores = attention(B, H, prompt)
     prefill = AttentionStats(column_sums=scores, window_column_sums=scores, num_queries=torch.full((B,), prompt),
                              raw_keys=kv.keys)  # raw keys as they are (no RoPE)
-    ref = method.compress(0, kv, prefill, n_keep, "prefill")
+    with use_backend("torch"):
+        ref = method.compress(0, kv, prefill, n_keep, "prefill")
     fast = ref.gather(torch.arange(ref.capacity).expand(B, H, -1), ref.lengths.clone())
     fast.tables = {name: table.clone() for name, table in ref.tables.items()}  # updated in place
     fast.resize(ref.capacity + 1)
@@ -144,9 +151,12 @@ def test_in_place_eviction_under_random_attention(name):
             seen = step_attention.gather(2, kv.positions.clamp(min=0))
             stats.append(AttentionStats(step_attention=torch.where(kv.valid(), seen, 0.0), num_queries=torch.ones(B),
                                         raw_keys=kv.keys))
-            method.observe(0, kv, stats[-1])
-        ref = method.compress(0, ref, stats[0], n_keep, "decode")
-        method.evict_one(0, fast, stats[1], n_keep)
+        with use_backend("torch"):
+            method.observe(0, ref, stats[0])
+            ref = method.compress(0, ref, stats[0], n_keep, "decode")
+        with use_backend(backend):
+            method.observe(0, fast, stats[1])
+            method.evict_one(0, fast, stats[1], n_keep)
         assert fast.lengths.tolist() == ref.lengths.tolist()
         for b in range(B):
             for h in range(H):
