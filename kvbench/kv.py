@@ -173,7 +173,8 @@ class LayerKV:
             self.pack_state()
             block = self.packed_state()
         if block is None:
-            raise ValueError(f"fused decode steps need float32 states; got {[str(t.dtype) for t in self.state.values()]}")
+            dtypes = sorted({str(t.dtype) for t in self.state.values()})
+            raise ValueError(f"fused decode steps need float32 states; got {dtypes}")
         return block
 
     def remove_slot(self, victim: Tensor) -> None:

@@ -4,7 +4,7 @@ per-step update of its scores (``ems_observe``).
 One row of ``keep + 1`` slots (any slot order; positions say which token a slot holds) loses one slot, as
 ``EMS.compress`` at decode does on the same row:
 - score = the Global-Local score of every slot (``global_local_score``, unpooled); the local window is the
-  min(keep, L_win) newest positions (always kept);
+  min(keep, L_win) newest positions (always kept, so contiguous: a threshold on the newest finds them);
 - the lowest score outside the window (ties: the newest position, as compress's stable descending ranking
   puts it last) becomes the TBM token t when the budget has a TBM share (round((gamma - 1) keep) >= 1),
   else it is evicted;
@@ -20,7 +20,8 @@ One row of ``keep + 1`` slots (any slot order; positions say which token a slot 
 Entries of the other slots keep their state exactly (compress re-derives their merged_mass as
 (score + merged_mass) - score, equal up to float32 rounding).
 
-Torch reference; ``triton_ems_step`` holds the two-launch kernel of the same signature (``dispatch``). Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
+Torch reference; ``triton_ems_step`` holds the two-launch kernel of the same signature (``dispatch``).
+Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
 (B, H) long; state (S, B, H, C) float32, every per-slot state stacked; ``scores`` (s_glo, s_loc_past,
 s_loc_cur) and ``merges`` (merged_mass, merged_tokens, logit_bias or None) rows of it; ``lut`` the tables
 (position long, centre long, norm float32), each (B, H, E), or None; n_keep (B,) long.

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
+from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, lowest_unprotected, move_last,
                                           newest_position, next_position)
 
 BLOCK_C = 8192  # slots per tile of a row scan
@@ -57,24 +57,13 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
         heavy = tl.floor(ratio * keep.to(tl.float64))
         sinks = tl.minimum(heavy.to(tl.int64), SINKS)
         recent = keep - heavy.to(tl.int64)
+        age_sign = 1
     else:  # select.eviction_order: oldest first, newest first when the budget is all sinks
         sinks = tl.minimum(keep, SINKS)
         recent = keep * 0
         age_sign = tl.where(keep - sinks > 0, 1, -1)
     newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    best = tl.full((), float("inf"), tl.float32)
-    oldest = tl.full((), NO_POSITION, tl.int64)
-    victim = tl.full((), 0, tl.int64)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        real = c < length
-        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        if HEAVY:
-            score = tl.load(att_ptr + row * C + c, mask=real, other=0.0)
-        else:
-            score = (pos * age_sign).to(tl.float32)
-        free = real & (c >= sinks) & (pos <= newest - recent)
-        best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c, free)
+    victim = lowest_unprotected(att_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, HEAVY, BLOCK_C)
     evicted = tl.load(pos_ptr + row * C + victim)
     # the n next positions, oldest first: targets (n,) slots, found (n,) whether each exists
     n = tl.arange(0, BLOCK_N)

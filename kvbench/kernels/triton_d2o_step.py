@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
-                                          newest_position, row_blocks)
+from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
+                                          lowest_unprotected, move_last, newest_position, row_blocks)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -39,17 +39,7 @@ def _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N
     recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
     sinks = tl.minimum(keep - recent, N_SINKS)
     newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    best = tl.full((), float("inf"), tl.float32)
-    oldest = tl.full((), NO_POSITION, tl.int64)
-    victim = tl.full((), 0, tl.int64)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        real = c < length
-        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        score = tl.load(att_ptr + row * C + c, mask=real, other=0.0)
-        free = real & (c >= sinks) & (pos <= newest - recent)
-        best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c, free)
-    return victim
+    return lowest_unprotected(att_ptr, pos_ptr, row, length, sinks, recent, newest, 1, C, True, BLOCK_C)
 
 
 @triton.jit
@@ -74,31 +64,11 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, att_ptr, keep_ptr, victim_ptr, sim_pt
         norm = tl.maximum(tl.sqrt_rn(tl.sum(key * key, 1)), EPS)
         cosine = tl.where(other, tl.sum(source[None, :] * tl.math.div_rn(key, norm[:, None]), 1), float("-inf"))
         pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
-        high = tl.max(cosine, 0)
-        tied = other & (cosine == high)
-        first = tl.min(tl.where(tied, pos, NO_POSITION), 0)
-        slot = tl.min(tl.where(tied & (pos == first), s, 2147483647), 0).to(tl.int64)
-        better = (high > best) | ((high == best) & (first < oldest))
-        match = tl.where(better, slot, match)
-        oldest = tl.where(better, first, oldest)
-        best = tl.where(better, high, best)
+        best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
     tl.store(sim_ptr + row * NB + block, best)
     tl.store(at_pos_ptr + row * NB + block, oldest)
     tl.store(at_slot_ptr + row * NB + block, match)
     tl.store(victim_ptr + row, victim, mask=block == 0)
-
-
-@triton.jit
-def _best_match(sim_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB: tl.constexpr):
-    """(cosine, slot) of the row's best block: the highest cosine, ties to the oldest position; -1 for none."""
-    b = tl.arange(0, BLOCK_NB)
-    sim = tl.load(sim_ptr + row * NB + b, mask=b < NB, other=float("-inf"))
-    pos = tl.load(at_pos_ptr + row * NB + b, mask=b < NB, other=NO_POSITION)
-    high = tl.max(sim, 0)
-    first = tl.min(tl.where(sim == high, pos, NO_POSITION), 0)
-    slot = tl.min(tl.where((sim == high) & (pos == first) & (b < NB),
-                           tl.load(at_slot_ptr + row * NB + b, mask=b < NB, other=-1), NO_POSITION), 0)
-    return high, tl.where(high > float("-inf"), slot, -1)
 
 
 @triton.jit
@@ -108,11 +78,11 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, victim_ptr
                   BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     victim = tl.load(victim_ptr + row)
-    similarity, match = _best_match(sim_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB)
+    similarity, match = best_of_blocks(sim_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB)
     if LAYER_SCOPE:  # d2o_step.ema_threshold: the mean best cosine over the batch row's heads
         total = tl.full((), 0.0, tl.float32)
         for head in range(H):
-            head_best, _ = _best_match(sim_ptr, at_pos_ptr, at_slot_ptr, row - row % H + head, NB, BLOCK_NB)
+            head_best, _ = best_of_blocks(sim_ptr, at_pos_ptr, at_slot_ptr, row - row % H + head, NB, BLOCK_NB)
             total += head_best
         current = tl.math.div_rn(total, H + tl.zeros((), tl.float32))
     else:

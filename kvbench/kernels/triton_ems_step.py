@@ -25,8 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.redundancy import SIMILARITIES
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
-                                          newest_position, row_blocks)
+from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
+                                          fold_lowest, move_last, newest_position, row_blocks)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 32  # slots per tile of the redundancy scan
@@ -113,15 +113,7 @@ def _redundancy_kernel(k_ptr, raw_ptr, v_ptr, pos_ptr, len_ptr, keep_ptr, glo_pt
                              mask=centre[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
             norm = tl.maximum(tl.sqrt_rn(tl.sum(values * values, 1)), EPS)
             R = R * tl.maximum(tl.sum(value_t[None, :] * tl.math.div_rn(values, norm[:, None]), 1), 0.0)
-        R = tl.where(centre, R, float("-inf"))
-        high = tl.max(R, 0)
-        tied = centre & (R == high)
-        first = tl.min(tl.where(tied, pos, NO_POSITION), 0)
-        slot = tl.min(tl.where(tied & (pos == first), s, 2147483647), 0).to(tl.int64)
-        better = (high > best) | ((high == best) & (first < oldest))
-        match = tl.where(better, slot, match)
-        oldest = tl.where(better, first, oldest)
-        best = tl.where(better, high, best)
+        best, oldest, match = fold_highest(best, oldest, match, R, pos, s, centre)
     tl.store(r_ptr + row * NB + block, best)
     tl.store(at_pos_ptr + row * NB + block, oldest)
     tl.store(at_slot_ptr + row * NB + block, match)
@@ -162,13 +154,7 @@ def _merge_kernel(k_ptr, raw_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, keep_ptr, 
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + row)
     ratio = tl.load(ratio_ptr + row)
-    b = tl.arange(0, BLOCK_NB)
-    R = tl.load(r_ptr + row * NB + b, mask=b < NB, other=float("-inf"))
-    R_pos = tl.load(at_pos_ptr + row * NB + b, mask=b < NB, other=NO_POSITION)
-    best = tl.max(R, 0)
-    first = tl.min(tl.where(R == best, R_pos, NO_POSITION), 0)
-    d = tl.min(tl.where((R == best) & (R_pos == first) & (b < NB),
-                        tl.load(at_slot_ptr + row * NB + b, mask=b < NB, other=-1), NO_POSITION), 0)
+    best, d = best_of_blocks(r_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB)
     keep = tl.minimum(tl.load(keep_ptr + row // H), tl.load(len_ptr + row))
     if TBM_ALWAYS:
         tbm = keep >= 0

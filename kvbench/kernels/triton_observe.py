@@ -18,7 +18,10 @@ def _observe_kernel(acc_ptr, obs_ptr, att_ptr, pos_ptr, len_ptr, queries_ptr, H,
                     BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr + row)
-    queries = tl.load(queries_ptr + row // H).to(tl.int64) if PER_ROW else 1
+    if PER_ROW:
+        queries = tl.load(queries_ptr + row // H).to(tl.int64)
+    else:
+        queries = 1
     newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)

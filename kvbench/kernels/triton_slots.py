@@ -3,8 +3,8 @@
 One program per row (b, h): it scans the row in tiles (the newest position, then the lowest unprotected
 score), and moves the row's last slot (key, value, position, every state) into the chosen one. A decode step
 of an evicting method is then one launch per layer instead of a dozen small torch operations. The row
-operations (``newest_position``, ``fold_lowest``, ``next_position``, ``move_last``) are also the parts of the
-merging methods' fused decode steps (``triton_cam_step``, ``triton_d2o_step``, ``triton_weightedkv_step``).
+operations (``newest_position``, ``lowest_unprotected``, ``next_position``, ``move_last``, the best-match folds
+and ``row_blocks``) are also the parts of the merging methods' fused decode steps (``triton_*_step``).
 """
 
 from __future__ import annotations
@@ -64,12 +64,11 @@ def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: tl.constexpr):
-    """The slot to drop in one row (see slots.select_lowest)."""
-    length = tl.load(len_ptr + row)
-    sinks = tl.load(sink_ptr + row)
-    recent = tl.load(recent_ptr + row)
-    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
+def lowest_unprotected(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C,
+                       BY_SCORE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The slot to drop in one row (slots.select_lowest): the lowest score among the real slots from the
+    ``sinks``-th on whose position is at least ``recent`` before ``newest``; ties to the oldest position.
+    BY_SCORE: the scores at ``score_ptr``; else a slot's position times ``age_sign`` (StreamingLLM's order)."""
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)  # position of the best slot so far (ties: the oldest wins)
     victim = tl.full((), 0, tl.int64)
@@ -77,10 +76,49 @@ def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: 
         c = c0 + tl.arange(0, BLOCK_C)
         real = c < length
         pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+        if BY_SCORE:
+            score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+        else:
+            score = (pos * age_sign).to(tl.float32)
         free = real & (c >= sinks) & (pos <= newest - recent)
         best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c, free)
     return victim
+
+
+@triton.jit
+def fold_highest(best, oldest, match, score, pos, slot, ok):
+    """Fold one tile into the running (highest score, its position, its slot) of the ``ok`` slots: ties go to
+    the oldest position; no ok slot anywhere leaves (-inf, NO_POSITION, -1)."""
+    score = tl.where(ok, score, float("-inf"))
+    high = tl.max(score, 0)
+    tied = ok & (score == high)
+    first = tl.min(tl.where(tied, pos, NO_POSITION), 0)
+    at = tl.min(tl.where(tied & (pos == first), slot, 2147483647), 0).to(tl.int64)
+    better = (high > best) | ((high == best) & (first < oldest))
+    return tl.where(better, high, best), tl.where(better, first, oldest), tl.where(better, at, match)
+
+
+@triton.jit
+def best_of_blocks(score_ptr, pos_ptr, slot_ptr, row, NB, BLOCK_NB: tl.constexpr):
+    """(score, slot) of the best of a row's NB block results (each block's ``fold_highest``, stored by a first
+    launch at [row * NB + block]): the highest score, ties to the oldest position; slot -1 for none."""
+    b = tl.arange(0, BLOCK_NB)
+    score = tl.load(score_ptr + row * NB + b, mask=b < NB, other=float("-inf"))
+    pos = tl.load(pos_ptr + row * NB + b, mask=b < NB, other=NO_POSITION)
+    high = tl.max(score, 0)
+    first = tl.min(tl.where(score == high, pos, NO_POSITION), 0)
+    slot = tl.min(tl.where((score == high) & (pos == first) & (b < NB),
+                           tl.load(slot_ptr + row * NB + b, mask=b < NB, other=-1), NO_POSITION), 0)
+    return high, tl.where(high > float("-inf"), slot, -1)
+
+
+@triton.jit
+def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: tl.constexpr):
+    """The slot to drop in one row (see slots.select_lowest)."""
+    length = tl.load(len_ptr + row)
+    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
+    return lowest_unprotected(score_ptr, pos_ptr, row, length, tl.load(sink_ptr + row), tl.load(recent_ptr + row),
+                              newest, 1, C, True, BLOCK_C)
 
 
 @triton.jit

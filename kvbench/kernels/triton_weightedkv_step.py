@@ -29,13 +29,16 @@ def _average(acc_ptr, obs_ptr, at):
 
 @triton.jit
 def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, acc_ptr, obs_ptr, keep_ptr, H, C, D, DV, S,
-                 state_stride, SINKS, RECENT, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+                 state_stride, SINKS, RECENT, DERIVED_RECENT: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr + row)
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     sinks = tl.minimum(tl.minimum(keep, SINKS), keep - 1)  # weightedkv_step.protection
-    wanted = tl.where(RECENT < 0, keep // 2 - sinks, RECENT)
+    if DERIVED_RECENT:  # recent=None: the paper's proportion
+        wanted = keep // 2 - sinks
+    else:
+        wanted = keep * 0 + RECENT
     recent = tl.minimum(tl.maximum(wanted, 1), tl.maximum(keep - sinks, 1))
     newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
     best = tl.full((), float("inf"), tl.float32)
@@ -73,6 +76,7 @@ def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Te
     S, DV = state.shape[0], values.shape[-1]
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, accumulated, observed,
                            n_keep.to(lengths).contiguous(), H, C, D, DV, S, B * H * C, sinks,
-                           -1 if recent is None else recent, BLOCK_C=min(BLOCK_C, block_size(C)),
+                           0 if recent is None else recent, DERIVED_RECENT=recent is None,
+                           BLOCK_C=min(BLOCK_C, block_size(C)),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)

@@ -25,12 +25,9 @@ from tests.test_decode_paths import CASES, build, compare_under_random_attention
 
 # (B, H, C, D): one slot, block-size multiples +- 1, head dims 64 and 128, rows split into several blocks
 SHAPES = [(1, 1, 1, 64), (2, 3, 7, 64), (2, 2, 65, 128), (1, 4, 300, 64), (3, 1, 129, 128)]
-
-
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
-def dtype(request):
-    """The engine's storage dtypes (the interpreter makes each case cost seconds)."""
-    return request.param
+# every shape in float32, the multi-block ones in bfloat16 too (the interpreter makes each case cost seconds)
+LAYOUTS = pytest.mark.parametrize("shape,dtype", [(shape, torch.float32) for shape in SHAPES]
+                                  + [(shape, torch.bfloat16) for shape in SHAPES[2:4]], ids=str)
 
 
 def storage(B, H, C, D, S, dtype, seed):
@@ -67,7 +64,7 @@ def run_both(reference, kernel, make, call):
     return got, want
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@LAYOUTS
 @pytest.mark.parametrize("recent,seed", [(None, 0), (0, 1), (3, 2)])
 def test_weightedkv_step_matches_reference(shape, recent, seed, dtype, output_tolerance):
     def make():
@@ -83,7 +80,7 @@ def test_weightedkv_step_matches_reference(shape, recent, seed, dtype, output_to
     assert_same_cache(got, want, output_tolerance)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@LAYOUTS
 @pytest.mark.parametrize("eviction,merge_tokens,key", [(None, 16, 0), (0.5, 4, 2**32 - 5), (0.3, 5, None),
                                                       (None, 3, None)],
                          ids=["streamingllm", "h2o_n4", "h2o_0.3_deterministic", "streamingllm_deterministic"])
@@ -100,7 +97,7 @@ def test_cam_draws_are_the_reference_draws():
     """The kernel's hash reproduces ``uniform_draws`` bit for bit: with merge probabilities strictly between 0
     and 1 the draw decides, over many rows, heads and layer keys (the largest ones do not fit an int32)."""
     B, H, C, D = 8, 4, 24, 8
-    for key in (0, 1, 12345, 2**31 + 7, 2**32 - 1):
+    for key in (1, 2**31 + 7, 2**32 - 1):
         def make():
             s = storage(B, H, C, D, 2, torch.float32, 5)
             s["lengths"][:] = C
@@ -116,7 +113,7 @@ def test_cam_draws_are_the_reference_draws():
         torch.testing.assert_close(got["values"], want["values"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@LAYOUTS
 @pytest.mark.parametrize("layer_scope,weighted,seed", [(False, True, 0), (True, False, 1), (True, True, 2)],
                          ids=["head_weighted", "layer_code_mean", "layer_weighted"])
 def test_d2o_step_matches_reference(shape, layer_scope, weighted, seed, dtype, output_tolerance):
@@ -160,14 +157,15 @@ def ems_storage(shape, dtype, seed, lut, bias, entries):
     if lut:
         member = torch.stack([torch.randperm(3 * C + entries, generator=g)[:entries] for _ in range(B * H)])
         position = (member.view(B, H, entries) * 2 + 3)
-        centre = s["positions"].gather(2, torch.randint(0, C, (B, H, entries), generator=g) % s["lengths"].unsqueeze(-1))
+        stored = torch.randint(0, C, (B, H, entries), generator=g) % s["lengths"].unsqueeze(-1)
+        centre = s["positions"].gather(2, stored)
         unused = torch.rand(B, H, entries, generator=g) < torch.rand(B, H, 1, generator=g).round() * 0.5
         s["lut"] = (torch.where(unused, -1, position), torch.where(unused, -1, centre),
                     torch.where(unused, -1.0, torch.rand(B, H, entries, generator=g) + 0.5))
     return s
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@LAYOUTS
 @pytest.mark.parametrize("rule", EMS_RULES, ids=str)
 def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
     tau, gamma, similarity, lut, with_positions, bias = rule
