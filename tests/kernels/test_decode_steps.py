@@ -217,6 +217,37 @@ def test_ems_observe_matches_reference(shape, window):
     torch.testing.assert_close(got["state"], want["state"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op", ["weightedkv", "cam", "d2o", "ems"])
+def test_rows_longer_than_a_tile(op):
+    """Rows of more slots than one tile of a row scan (8192) and a look-up table of more entries than one of
+    its tiles (4096): every loop of the kernels takes several tiles."""
+    shape = (1, 2, 9000, 16)
+    if op == "ems":
+        def call(step, s):
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"],
+                 tuple(s["state"][:3]), (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 3, 0.0, 4.0,
+                 "key_value", False)
+
+        make, kernels = (lambda: ems_storage(shape, torch.float32, 5, True, False, entries=5000),
+                         (ems_step.ems_step, triton_ems_step.ems_step))
+    else:
+        def call(step, s):
+            rows = {"weightedkv": (s["state"][0], s["state"][1], s["n_keep"], 2, None),
+                    "cam": (s["state"][1], s["n_keep"], 2, 0.5, 16, 7),
+                    "d2o": (s["state"][1], s["state"][2], s["n_keep"], 3, 1, 2, 0.7, False, True)}[op]
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], *rows)
+
+        def make():
+            s = storage(*shape, 3, torch.float32, 6)
+            return s
+
+        module = {"weightedkv": weightedkv_step, "cam": cam_step, "d2o": d2o_step}[op]
+        triton_module = {"weightedkv": triton_weightedkv_step, "cam": triton_cam_step, "d2o": triton_d2o_step}[op]
+        kernels = (getattr(module, f"{op}_step"), getattr(triton_module, f"{op}_step"))
+    got, want = run_both(*kernels, make, call)
+    assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
+
+
 class Launches(TorchDispatchMode):
     """Counts what one call issues to the device: Triton kernel launches (every kernel of the kvbench.kernels
     modules is wrapped), and the torch operators called outside them (the interpreter's own copies of a
