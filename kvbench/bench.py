@@ -4,6 +4,7 @@
     python -m kvbench.bench kernels --device cuda --lengths 1024,2048,4096,8192,16384,32768,65536,131072
     python -m kvbench.bench kernels --device cuda --ops cam_step,d2o_step,weightedkv_step,ems_step \
         --lengths 3277,6554 --batch 64 --kv-heads 8 --head-dim 128  # one layer's decode step, graph-replayed
+        (the decode steps run only when --ops names them)
 
 Writes ``kernels.parquet`` (one row per operation x backend x length: median seconds of ``--repeats`` calls
 after one warm-up call), ``kernels_exponents.parquet`` (the fitted scaling exponent: slope of log time
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kvbench.bench_decode_steps import STEP_OPERATIONS
 from kvbench.errors import ConfigError
 
 CPU_LENGTHS = "256,512,1024"
@@ -233,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     from kvbench.kernels import dispatch
 
-    args.ops = args.ops.split(",") if args.ops else list(operations(args, torch.device(args.device), torch.float32))
+    # default: every operation but the decode steps, whose shapes are a layer's (--batch, --kv-heads)
+    args.ops = args.ops.split(",") if args.ops else [
+        op for op in operations(args, torch.device(args.device), torch.float32) if op not in STEP_OPERATIONS]
     rows = run_kernels(args)
     exponents = scaling_exponents(rows)
     args.out.mkdir(parents=True, exist_ok=True)

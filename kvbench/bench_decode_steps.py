@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 STEPS = 8  # decode steps per timed CUDA graph
+STEP_OPERATIONS = ("cam_step", "d2o_step", "weightedkv_step", "ems_step")
 
 
 def _layer(n: int, states: int, args, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -106,5 +107,4 @@ def decode_step_operations(args, device: torch.device, dtype: torch.dtype) -> di
                                                 (s["state"][3], s["state"][4], None), lut, s["n_keep"], 32, 0.0,
                                                 4.0, "key_value", False), device)
 
-    return {"cam_step": ("n", cam), "d2o_step": ("n", d2o), "weightedkv_step": ("n", weightedkv),
-            "ems_step": ("n", ems)}
+    return dict(zip(STEP_OPERATIONS, (("n", cam), ("n", d2o), ("n", weightedkv), ("n", ems))))

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, lowest_unprotected, move_last,
-                                          newest_position, next_position)
+                                          newest_position, next_position, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 WARPS = 16
@@ -103,6 +103,6 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, attention, n_keep.to(lengths).contiguous(),
                            H, C, D, DV, S, B * H * C, sinks, ratio_bits, 0 if key is None else key, merge_tokens,
                            HEAVY=heavy_ratio is not None, DRAW=key is not None,
-                           BLOCK_C=min(BLOCK_C, block_size(C)), BLOCK_N=block_size(merge_tokens),
+                           BLOCK_C=scan_tile(C, BLOCK_C), BLOCK_N=block_size(merge_tokens),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)

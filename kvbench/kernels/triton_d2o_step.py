@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
-                                          lowest_unprotected, move_last, newest_position, row_blocks)
+                                          lowest_unprotected, move_last, newest_position, row_blocks, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -129,7 +129,7 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     victim = torch.empty(rows, dtype=torch.long, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
-    block_c = min(BLOCK_C, block_size(C))
+    block_c = scan_tile(C, BLOCK_C)
     _match_kernel[(rows, NB)](keys, positions, lengths, attention, n_keep, victim, similarity, at_position, at_slot,
                               H, C, D, span, NB, n_heavy, n_recent, n_sinks, BLOCK_C=block_c, BLOCK_S=BLOCK_S,
                               BLOCK_D=block_size(D), num_warps=WARPS)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from kvbench.kernels.redundancy import SIMILARITIES
 from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
-                                          fold_lowest, move_last, newest_position, row_blocks)
+                                          fold_lowest, move_last, newest_position, row_blocks, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 32  # slots per tile of the redundancy scan
@@ -275,7 +275,7 @@ def ems_observe(s_glo: Tensor, s_loc_past: Tensor, s_loc_cur: Tensor, s_loc_cur_
     B, H, C = attention.shape
     check_storage(s_glo, s_loc_past, s_loc_cur, s_loc_cur_queries, attention, lengths)
     _observe_kernel[(B * H,)](s_glo, s_loc_past, s_loc_cur, s_loc_cur_queries, attention, lengths, C, window,
-                              BLOCK_C=min(BLOCK_C, block_size(C)), num_warps=WARPS)
+                              BLOCK_C=scan_tile(C, BLOCK_C), num_warps=WARPS)
 
 
 def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, raw_keys: Tensor,
@@ -293,7 +293,7 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     ratio = torch.empty(rows, dtype=torch.float32, device=keys.device)
     R = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
-    block_c = min(BLOCK_C, block_size(C))
+    block_c = scan_tile(C, BLOCK_C)
     _redundancy_kernel[(rows, NB)](keys, raw_keys, values, positions, lengths, n_keep, *scores, t, ratio, R,
                                    at_position, at_slot, H, C, D, DV, span, NB, window,
                                    SIMILARITY=SIMILARITIES.index(similarity), BLOCK_C=block_c, BLOCK_S=BLOCK_S,
@@ -305,5 +305,5 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
                            TBM_ALWAYS=math.isinf(gamma), LUT=lut is not None, TABLE=E > 0,
                            WITH_POSITIONS=with_positions, BIAS=logit_bias is not None, BLOCK_NB=block_size(NB),
                            BLOCK_H=block_size(D // 2), BLOCK_DV=block_size(DV),
-                           BLOCK_E=min(BLOCK_E, block_size(E)), BLOCK_D=block_size(D), BLOCK_S=block_size(S),
+                           BLOCK_E=scan_tile(E, BLOCK_E), BLOCK_D=block_size(D), BLOCK_S=block_size(S),
                            num_warps=WARPS, enable_fp_fusion=False)

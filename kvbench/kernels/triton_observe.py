@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import block_size, check_storage, newest_position
+from kvbench.kernels.triton_slots import check_storage, newest_position, scan_tile
 
 BLOCK_C = 4096  # slots per tile
 WARPS = 8
@@ -40,4 +40,4 @@ def observe_pass(accumulated: Tensor, observed: Tensor, attention: Tensor, posit
     per_row = num_queries is not None
     _observe_kernel[(B * H,)](accumulated, observed, attention, positions, lengths,
                               num_queries.contiguous() if per_row else lengths, H, C, PER_ROW=per_row,
-                              BLOCK_C=min(BLOCK_C, block_size(C)), num_warps=WARPS)
+                              BLOCK_C=scan_tile(C, BLOCK_C), num_warps=WARPS)

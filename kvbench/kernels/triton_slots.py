@@ -160,6 +160,12 @@ def _evict_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, k_ptr, v_pt
           BLOCK_D, BLOCK_DV, BLOCK_S)
 
 
+def scan_tile(n: int, largest: int) -> int:
+    """The tile of a scan over n slots or entries: n rounded up to a power of two, within [1024, largest] (one
+    compiled variant for every short row: a masked 1024-wide tile costs what a narrower one does)."""
+    return min(largest, max(1024, block_size(n)))
+
+
 def block_size(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 

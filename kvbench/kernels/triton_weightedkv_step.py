@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
-                                          newest_position, next_position)
+                                          newest_position, next_position, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 WARPS = 16
@@ -77,6 +77,6 @@ def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Te
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, accumulated, observed,
                            n_keep.to(lengths).contiguous(), H, C, D, DV, S, B * H * C, sinks,
                            0 if recent is None else recent, DERIVED_RECENT=recent is None,
-                           BLOCK_C=min(BLOCK_C, block_size(C)),
+                           BLOCK_C=scan_tile(C, BLOCK_C),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)

@@ -10,8 +10,9 @@ Per layer and KV head, with N_budget = ``n_keep`` stored entries:
 A centre's merge is score-weighted (w_j = s_j / sum over its cluster); keys are merged as unit raw-key
 directions with the members' norms kept apart, values as they are.
 Decoding (every step): the token leaving the local window becomes a centre and the lowest-scoring centre
-becomes the TBM token, merged into its most redundant other centre or evicted. Here that is the same
-partition run on the row's N_budget + 1 slots, so prefill and decode share one code path.
+becomes the TBM token, merged into its most redundant other centre or evicted. ``compress`` runs the same
+partition on the row's N_budget + 1 slots (prefill and decode share one code path); the engine's decode step
+does it in place (``evict_one``, ``kernels.ems_step``: the same cache up to slot and table order).
 
 Shared entry expansion (``expansion``). What the paper specifies [P §4.2, App. A, §5.4]: N_budget stored
 entries per head plus, per token, its key norm ||k_j|| and a position look-up table (LUT) mapping each
