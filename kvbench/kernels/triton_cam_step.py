@@ -21,7 +21,7 @@ from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage
 
 BLOCK_C = 8192  # slots per tile of a row scan
 WARPS = 16
-FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit

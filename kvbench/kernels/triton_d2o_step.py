@@ -28,7 +28,7 @@ from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_siz
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
-EPS = 1e-12  # F.normalize's
+EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
 @triton.jit

@@ -32,8 +32,8 @@ BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 32  # slots per tile of the redundancy scan
 BLOCK_E = 4096  # look-up-table entries per tile
 WARPS = 8
-EPS = 1e-12  # F.normalize's
-REL_EPS = 1e-4  # rotate_like's
+EPS = tl.constexpr(1e-12)  # F.normalize's
+REL_EPS = tl.constexpr(1e-4)  # rotate_like's
 
 
 @triton.jit
