@@ -9,7 +9,11 @@ rounding: it is a cosine), keys and values up to one rounding of the storage dty
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +318,17 @@ def test_fused_decode_step_issues_two_or_three_operations(monkeypatch, name, lau
 def test_triton_in_place_keeps_what_compress_keeps(name):
     """tests/test_decode_paths.py's in-place == compress comparison with the fused Triton steps in place."""
     compare_under_random_attention(name, "triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in KVBENCH_KERNEL_TESTS=cuda")
+def test_kernels_compile_for_the_gpu():
+    """The interpreter runs code the Triton compiler refuses: compile every fused step's variants to sm_90
+    PTX and cubin (no GPU needed; tests/kernels/ptx_check.py) in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(root / "tests" / "kernels" / "ptx_check.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel variants compiled" in done.stdout
