@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvbench.kernels.slots import evict_lowest, move_last_into, next_slots, select_lowest
+from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
 
 
 @dataclass
@@ -194,11 +194,6 @@ class LayerKV:
         """(B, H) each row's lowest-scoring slot outside its first ``sinks`` slots and its ``recent`` newest
         positions ((B, H) each; ties to the oldest position; ``kernels.slots.select_lowest``)."""
         return select_lowest(scores, self.lengths, self.positions, sinks, recent)
-
-    def next_slots(self, slot: Tensor, count: int) -> tuple[Tensor, Tensor]:
-        """The slots holding the ``count`` positions after slot ``slot`` (B, H) of each row, oldest first, and
-        whether each is real (``kernels.slots.next_slots``)."""
-        return next_slots(self.positions, self.lengths, slot, count)
 
     def evict_lowest(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> None:
         """Remove, in place, the slot ``lowest_slot`` picks (one launch in Triton when the state is packed)."""

@@ -110,9 +110,10 @@ class Method:
         (in any order; positions say which token each slot holds). Merge whatever the method merges into
         slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` of a
         slot found with ``LayerKV.lowest_slot``; whatever depends on positions, such as "the next slots",
-        from ``kv.positions``, e.g. ``LayerKV.next_slots``), writing ``kv`` in place. Must give the same
-        cache, up to slot order, as ``compress`` (tests compare the two), and must not read device values
-        back (it runs inside CUDA graphs): fixed-shape operations only."""
+        from ``kv.positions``, e.g. ``kernels.slots.next_slots``; the merging methods' fused steps are
+        ``kernels.*_step``), writing ``kv`` in place. Must give the same cache, up to slot order, as
+        ``compress`` (tests compare the two), and must not read device values back (it runs inside CUDA
+        graphs): fixed-shape operations only."""
         raise NotImplementedError
 
     def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:

@@ -44,7 +44,7 @@ Cost per compression of a row of T slots (E evicted, head dim d, n targets): sel
 cascade x_e = v_e + sum over evicted j in [e - n, e) of m_j x_j / n is a banded triangular system over the
 evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d); the window scores O(n T) and
 spreading onto the kept slots O(n T d), at every call. A decode step in place (``evict_one``): O(T) for the
-victim, O(T log n) for its n next positions, O(n d) for the merge.
+victim, O(n T) for its n next positions (n scans of the row, in the fused kernel), O(n d) for the merge.
 """
 
 from __future__ import annotations
