@@ -20,7 +20,10 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   per-slot ``logit_bias``, step attention from the same pass), over the whole capacity while a CUDA graph is
   captured;
 - a pass of several queries over a non-empty cache (a suffix, a prompt chunk, a teacher-forced chunk) runs
-  ``ragged_attention`` with the causal rule on stored positions;
+  ``chunk_attention`` (FlashAttention-style: every cached slot, then the pass's own slots, which its write
+  put last in every row, causally; per-row lengths and ``logit_bias``) and its statistics come from one
+  column-sum pass with its lse, as the prompt pass's do; with a ``logit_bias`` and statistics (which the
+  column-sum pass does not take) it runs ``ragged_attention`` with the causal rule on stored positions;
 - a method that expands its stored slots at attention time (``Method.expands_slots``: EMS's look-up table)
   has the two cached paths above read its ``Method.expand`` entries instead, over their whole (static)
   capacity, the statistics summed back onto the stored slots (``Expansion.fold``).
@@ -37,9 +40,10 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.cache import CompressedCache, CompressedLayer, PassPlan
+from kvbench.cache import CompositeCache, CompressedCache, CompressedLayer, PassPlan
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kv import LOGIT_BIAS, AttentionStats
@@ -47,6 +51,7 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # Statistics the attention computes; raw_keys come from the stored keys when the method compresses.
 ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention", "query_column_sums"})
+EVERY_QUERY_STATS = ATTENTION_STATS - {"window_column_sums"}  # statistics that need every query's lse
 
 
 def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -74,38 +79,50 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
     Statistics of the last ``window`` queries alone need only theirs: the wrapped implementation runs the
     forward and the window's lse is computed apart (a window of 32 rows costs a few percent of a pass)."""
     wanted = plan.wanted & ATTENTION_STATS
-    B, Hq, Q, _ = query.shape
-    if wanted & {"column_sums", "step_attention", "query_column_sums"}:
+    B, Q = query.shape[0], query.shape[2]
+    if wanted & EVERY_QUERY_STATS:
         output, lse = causal_attention_lse(query, key, value, scaling)
-        q, q_pos = query, plan.query_positions
         output = output.transpose(1, 2).contiguous()
     else:
         output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
         if not wanted:
             return output, {}
-        q, q_pos = query[:, :, -plan.window:], plan.query_positions[:, -plan.window:]
         lse = None
+    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
+    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
+    return output, _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, plan)
+
+
+def _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, plan: PassPlan) -> dict:
+    """The pass's statistics over ``key`` (B, H_kv, T) from one column-sum pass with the queries' lse (B, H_q, q)
+    (or, when only the last ``window`` queries' statistics are wanted and ``lse`` is None, theirs computed
+    apart); per-query-head sums (D2O) run it over the keys repeated to the query heads."""
+    wanted = plan.wanted & ATTENTION_STATS
+    B, Hq, Q, _ = query.shape
+    window = plan.window if "window_column_sums" in wanted else 0
+    q, q_pos = query, plan.query_positions
+    if not wanted & EVERY_QUERY_STATS:  # the window's queries alone
+        q, q_pos = query[:, :, -window:], q_pos[:, -window:]
+        lse = None if lse is None else lse[:, :, -window:]
     Hkv = key.shape[1]
     per_query_head = "query_column_sums" in wanted
     if per_query_head:  # every query head's own sums: its keys repeated, then averaged per group below
-        key = key.repeat_interleave(Hq // Hkv, dim=1)
-    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
-    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
+        key, key_valid, key_pos = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, key_valid, key_pos))
     if lse is None:
         _, lse = attention_lse(q, key, None, key_valid, key_pos, q_pos, scaling)
-    col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
+    col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=window)
     stats = {}
     if per_query_head:
         stats["query_column_sums"] = col
-        col = col.view(B, Hkv, Hq // Hkv, Q).mean(2)
-        win = None if win is None else win.view(B, Hkv, Hq // Hkv, Q).mean(2)
+        col = col.view(B, Hkv, Hq // Hkv, -1).mean(2)
+        win = None if win is None else win.view(B, Hkv, Hq // Hkv, -1).mean(2)
     if win is not None:
         stats["window_column_sums"] = win
     if "column_sums" in wanted:
         stats["column_sums"] = col
     if "step_attention" in wanted:
         stats["step_attention"] = col
-    return output, stats
+    return stats
 
 
 def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan: PassPlan, kwargs):
@@ -132,12 +149,18 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
         return output.transpose(1, 2), stats if expansion is None else expansion.fold(stats, layer.kv.capacity)
     t = kv.capacity if expansion is not None else layer.longest
     valid = torch.arange(t, device=query.device).view(1, 1, -1) < kv.lengths.unsqueeze(-1)
-    output, stats = ragged_attention(
-        query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
-        scaling, window=plan.window if "window_column_sums" in wanted else 0,
-        want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
-        key_bias=None if bias is None else bias[:, :, :t], want_query_column_sums="query_column_sums" in wanted,
-    )
+    if expansion is None and (bias is None or not wanted):  # this pass's tokens are every row's last q slots
+        output, lse = chunk_attention(query, kv.keys, kv.values, kv.lengths, scaling, key_bias=bias)
+        stats = _stats_from_lse(query, kv.keys[:, :, :t], lse, valid, kv.positions[:, :, :t], scaling,
+                                plan) if wanted else {}
+    else:  # expanded entries, or statistics with a logit bias (the column-sum pass takes none)
+        output, stats = ragged_attention(
+            query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
+            scaling, window=plan.window if "window_column_sums" in wanted else 0,
+            want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
+            key_bias=None if bias is None else bias[:, :, :t],
+            want_query_column_sums="query_column_sums" in wanted,
+        )
     output = output.transpose(1, 2).contiguous()
     if expansion is not None:
         return output, expansion.fold(stats, layer.kv.capacity)
@@ -149,10 +172,17 @@ def _make_attention(impl: str):
     base = _base_function(impl)
 
     def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cache: CompressedCache | None = kwargs.pop("kvbench_cache", None)
+        cache: CompressedCache | CompositeCache | None = kwargs.pop("kvbench_cache", None)
         scaling = module.scaling if scaling is None else scaling
         if cache is None:
             return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if isinstance(cache, CompositeCache):  # several points' rows: each attends over its own storage
+            return torch.cat([attend(module, query.narrow(0, start, rows), key.narrow(0, start, rows),
+                                     value.narrow(0, start, rows), scaling, part, kwargs)
+                              for start, rows, part in cache.partitions]), None
+        return attend(module, query, key, value, scaling, cache, kwargs), None
+
+    def attend(module, query, key, value, scaling, cache: CompressedCache, kwargs):
         layer_idx, plan = module.layer_idx, cache.plan
         layer = cache.layers[layer_idx]
         if layer.fresh:
@@ -162,9 +192,9 @@ def _make_attention(impl: str):
         cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)
         if plan.after_layer is not None:
             plan.after_layer(layer_idx)
-        return output, None
+        return output
 
-    return kvbench_attention
+    return torch.compiler.disable(kvbench_attention)  # host decisions: compiled layers call it as it is
 
 
 def _register(impl: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import os
 import logging
 import platform
@@ -21,8 +22,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbench
 from kvbench import checks, models, status, store, trackers
 from kvbench.budget import Budget
+from kvbench.compile import compile_enabled
 from kvbench.engine import Engine, peak_memory_bytes
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, describe, disk_full, disk_full_line
 from kvbench.kernels import dispatch
 from kvbench.methods.base import Method
 from kvbench.tasks.base import Task
@@ -39,6 +41,12 @@ def result_config(cfg: DictConfig) -> dict:
     out, so a budget sweep runs it once."""
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in RESULT_KEYS}
+    engine, device = config["engine"], torch.device(str(cfg.model.device))
+    if engine.get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
+        engine["cuda_graphs"] = device.type == "cuda"
+    if "compile" in engine:  # resolved too; off is left out, so runs made before the switch existed keep their id
+        if compile_enabled(engine.pop("compile"), device, engine["cuda_graphs"]):
+            engine["compile"] = True
     if method_name(cfg) == FULL:
         config["budget"] = None
     return config
@@ -88,32 +96,61 @@ def device_id(device: torch.device) -> str:
     return f"cuda:{torch.cuda.get_device_properties(device.index or 0).uuid}"
 
 
-def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
+def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | None = None) -> Path | None:
     """Execute one run; returns the run directory, or None when it was already finished and skipped (then it
-    is sent to the configured tracker if it never was). ``skip_finished=false`` runs it again and replaces
-    the published run (the old one is kept as ``runs/<run_id>.prev``).
+    is sent to the configured tracker if it never was, and the collected tables are rebuilt if a full disk
+    left them stale). ``skip_finished=false`` runs it again and replaces the published run (the old one is
+    kept as ``runs/<run_id>.prev``); so does a published run that does not read back. ``overrides``: the
+    command-line overrides it was started with, recorded so that ``kvbench status`` can say how to re-run it.
 
-    While it runs, ``<root>/status/<run_id>.json`` says so; if it fails, the record holds the error
-    (``kvbench status`` shows both); a finished run replaces it."""
+    While it runs, ``<root>/status/<run_id>.json`` says so; if it fails or is interrupted, the record says
+    that (with the error); a published run replaces it."""
     checks.validate(cfg)
     root = Path(cfg.results_root)
     rid = store.run_id(result_config(cfg))
     if cfg.skip_finished and store.is_finished(root, rid):
         log.info("run %s already finished in %s: skipped", rid, store.run_dir(root, rid))
+        store.update_tables(root, only_if_stale=True)  # a full disk may have left them stale
         trackers.log_finished(cfg.logger, store.run_dir(root, rid))
         return None
+    published = store.run_dir(root, rid)
+    damage = store.unreadable(published) if (published / store.FINISHED_MARKER).exists() else None
+    if damage:
+        log.warning("run %s does not read back (%s): running it again; the unreadable copy is kept as %s%s",
+                    rid, damage, published, store.PREVIOUS)
     labels = run_labels(cfg)
-    start, device = time.time(), device_id(torch.device(cfg.model.device))
-    status.mark(root, rid, "running", start=start, device_id=device, **labels)
+    record = {"start": time.time(), "device_id": device_id(torch.device(cfg.model.device)), **labels,
+              **({"overrides": list(overrides)} if overrides is not None else {})}
+    status.mark(root, rid, "running", **record)
     try:
-        return _execute(cfg, root, rid, labels, device, hydra_dir)
+        final, metrics, predictions = _execute(cfg, root, rid, labels, record, hydra_dir)
     except BaseException as err:
-        status.mark(root, rid, "failed", error=f"{type(err).__name__}: {err}", start=start, device_id=device,
-                    **labels)
+        with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
+            _record_end(root, rid, err, record)
         raise
+    log.info("run %s written to %s", rid, final)
+    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
+    return final
 
 
-def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: str, hydra_dir: Path | None) -> Path:
+def _record_end(root: Path, rid: str, err: BaseException, record: dict) -> None:
+    """The status record of a run that ended unpublished: "interrupted" (Ctrl-C) or "failed" with the error.
+    Writing it may fail too (a full disk): then the "running" record stays and shows as stale."""
+    if isinstance(err, KeyboardInterrupt):
+        state, error = "interrupted", "interrupted (Ctrl-C or SIGINT) before it was published"
+    else:
+        full = disk_full(err)
+        state, error = "failed", disk_full_line(full, root) if full else f"{type(err).__name__}: {err}"
+    try:
+        status.mark(root, rid, state, error=error, **record)
+    except OSError as mark_err:
+        log.warning("run %s %s, and its status record could not be written (%s)", rid, state, describe(mark_err))
+
+
+def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
+             hydra_dir: Path | None) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
+    """The run up to its publication: (run directory, metric rows, per-sample rows)."""
+    device_key = record["device_id"]
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # one thread per granted core: oversubscribed cores crawl
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     random.seed(cfg.seed)
@@ -123,12 +160,11 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
     dispatch.set_backend(cfg.kernels.backend)
     lm, method, budget, task = build(cfg)
     engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
-    samples = task.samples()
+                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
+                    batch_size=cfg.batch_size, compile=cfg.engine.compile)
+    samples = checks.task_samples(task)
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
-    if not samples:
-        raise ConfigError(f"task '{task.name}' produced no samples; check its data and task.* settings")
     for sample in samples:
         task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
     device = engine.device
@@ -137,12 +173,17 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
     rows: list[dict] = []
     t0 = time.perf_counter()
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    # a task that runs a batch in lockstep gets batch_size samples at a time; the others get them all and decode
+    # them through the engine's continuous batching, the bar following each finished generation
+    chunk = cfg.batch_size if task.lockstep_batches else len(samples)
     with Progress(*columns, transient=False) as progress:
         bar = progress.add_task(store.run_label(labels), total=len(samples))
-        for start in range(0, len(samples), cfg.batch_size):
-            batch = samples[start : start + cfg.batch_size]
+        finished = itertools.count(1)
+        engine.on_generation = lambda: progress.update(bar, completed=min(len(samples), next(finished)))
+        for start in range(0, len(samples), chunk):
+            batch = samples[start : start + chunk]
             rows.extend(task.predict(batch, lm, engine))
-            progress.advance(bar, len(batch))
+            progress.update(bar, completed=start + len(batch))
     wall = time.perf_counter() - t0
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
@@ -160,6 +201,7 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
         **_flatten("engine", config["engine"]),
+        "engine.compile": engine.compile_decode,  # what auto resolved to on this device
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
@@ -176,13 +218,13 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
     metrics = pd.DataFrame([{**run_columns, **row, "sample_ids_hash": sample_ids_hash(predictions, row["dataset"]),
                              **summary} for row in metric_rows])
     meta = _meta(cfg, labels, rid, str(device), device_key, started, len(samples), overlapping, code)
+    if "overrides" in record:
+        meta["overrides"] = record["overrides"]
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
                             artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
     status.clear(root, rid)
-    log.info("run %s written to %s", rid, final)
-    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
-    return final
+    return final, metrics, predictions
 
 
 def _meta(cfg: DictConfig, labels: dict, rid: str, device: str, device_key: str, started: dt.datetime,
@@ -234,6 +276,7 @@ SUMMARY_COLUMNS = {
     "peak_memory_bytes": ("peak_memory_bytes", "max"),
     "peak_memory_above_weights_bytes": ("peak_memory_above_weights_bytes", "max"),
     "decode_kv_bytes_mean": ("decode_kv_bytes_mean", "mean"),
+    "batch_size_realized": ("decode_batch_size", "max"),  # batch_size=auto: the slots it chose
 }
 
 

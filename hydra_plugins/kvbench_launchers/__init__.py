@@ -7,6 +7,10 @@ and failed (exit status 1 when one failed):
   one per visible GPU, one on a machine without GPUs: timings of points sharing a device mean nothing);
 * ``slurm``: one SLURM array job (submitit), ``array_parallelism`` points at once.
 
+A point is counted done when its run is published, whatever its job reported afterwards (the results store
+decides, as ``kvbench status`` does). A full disk stops launching points (exit 2); Ctrl-C stops the sweep
+(exit 130): running points are recorded as interrupted, the rest as not run, and the same command resumes.
+
 The two submitit launchers submit each run once (a budget sweep's full-cache points share one run id) and
 not at all when it has finished, and they stop waiting for a point whose job left the SLURM queue without
 a result (cancelled, or killed by the node): such a point is reported as failed.
@@ -21,6 +25,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -33,6 +38,11 @@ log = logging.getLogger("kvbench")
 POLL_SECONDS = 2.0
 # A job's result pickle can land on a shared filesystem a little after SLURM drops the job from its queue.
 LEFT_QUEUE_GRACE_SECONDS = 30.0
+# After Ctrl-C, how long running local points get to record themselves as interrupted and exit.
+INTERRUPT_GRACE_SECONDS = 10.0
+STATES = ("done", "skipped", "failed", "interrupted", "not run", "still running")  # the first three always shown
+# The slack between the clock of the host that published a run and this one's (SLURM nodes).
+CLOCK_SLACK_SECONDS = 60.0
 
 
 def outcome(job_return: JobReturn) -> tuple[str, str]:
@@ -44,24 +54,84 @@ def outcome(job_return: JobReturn) -> tuple[str, str]:
     return "failed", f"{type(err).__name__}: {err}"
 
 
+def disk_full_detail(result: tuple[str, str]) -> bool:
+    """Whether a point failed for want of space (its error, maybe from its job's process, says so)."""
+    from kvbench.errors import names_disk_full
+
+    return result[0] == "failed" and names_disk_full(result[1])
+
+
 def summarize(points: Sequence[Sequence[str]], outcomes: Sequence[tuple[str, str]]) -> None:
-    """Print the sweep's summary; exit 1 when a point failed (its error is in the summary and its log)."""
-    counts = {state: sum(o[0] == state for o in outcomes) for state in ("done", "skipped", "failed")}
-    lines = [f"kvbench sweep: {len(points)} points: " + ", ".join(f"{n} {s}" for s, n in counts.items())]
+    """Print the sweep's summary and exit: 130 when Ctrl-C stopped it, 2 when a full disk did, 1 when a point
+    failed (its error is in the summary and its log). Each of those ends with one line saying what to do."""
+    from kvbench.errors import INTERRUPTED_EXIT
+
+    counts = {state: sum(o[0] == state for o in outcomes) for state in STATES}
+    shown = [f"{n} {state}" for state, n in counts.items() if n or state in STATES[:3]]
+    lines = [f"kvbench sweep: {len(points)} points: " + ", ".join(shown)]
     for index, (overrides, (state, detail)) in enumerate(zip(points, outcomes)):
-        if state == "failed":
-            lines.append(f"  failed #{index} {' '.join(filter_overrides(overrides))}: {detail}")
-    print("\n".join(lines), file=sys.stderr if counts["failed"] else sys.stdout, flush=True)
-    if counts["failed"]:
-        sys.exit(1)
+        if state in ("failed", "interrupted", "still running"):
+            lines.append(f"  {state} #{index} {' '.join(filter_overrides(overrides))}: {detail}")
+    full = [i for i, o in enumerate(outcomes) if disk_full_detail(o)]
+    resume = "run the same command again to resume (finished points are skipped)"
+    if counts["still running"]:
+        lines.append(f"kvbench: interrupted (Ctrl-C): {counts['still running']} submitted points still run on SLURM "
+                     f"(kvbench status follows them, scancel stops them); once they have ended, {resume}")
+        code = INTERRUPTED_EXIT
+    elif counts["interrupted"] or (counts["not run"] and not full):
+        lines.append(f"kvbench: interrupted (Ctrl-C): {resume}")
+        code = INTERRUPTED_EXIT
+    elif full:
+        lines.append(f"kvbench: error: point #{full[0]} found no space left on device: free space and {resume}")
+        code = 2
+    else:
+        code = 1 if counts["failed"] else 0
+    print("\n".join(lines), file=sys.stderr if code else sys.stdout, flush=True)
+    if code:
+        sys.exit(code)
+
+
+def settle(launcher, job_overrides: Sequence[Sequence[str]], outcomes: list[tuple[str, str]],
+           since: float) -> list[tuple[str, str]]:
+    """The outcomes with every point whose run was published during the sweep counted done, whatever its job
+    reported (a failure after publishing, an interrupt), as the store and ``kvbench status`` count it."""
+    from kvbench import runner, store
+
+    settled = list(outcomes)
+    for index, (state, detail) in enumerate(outcomes):
+        if state in ("done", "skipped", "not run"):
+            continue
+        cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(job_overrides[index]))
+        root, rid = Path(cfg.results_root), store.run_id(runner.result_config(cfg))
+        marker = store.run_dir(root, rid) / store.FINISHED_MARKER
+        if store.is_finished(root, rid) and marker.stat().st_mtime >= since - CLOCK_SLACK_SECONDS:
+            settled[index] = ("done", f"{store.run_dir(root, rid)} (its job then reported: {detail})")
+    return settled
 
 
 class SequentialLauncher(BasicLauncher):
-    """Hydra's basic launcher (points run in this process, in order) with the summary."""
+    """Hydra's basic launcher (points run in this process, in order), one point at a time so that a full disk
+    or Ctrl-C stops the sweep with its summary."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        returns = super().launch(job_overrides, initial_job_idx)
-        summarize(job_overrides, [outcome(r) for r in returns])
+        from kvbench.errors import disk_full, disk_full_line
+
+        since, returns, outcomes = time.time(), [], []
+        try:
+            for index, overrides in enumerate(job_overrides):
+                returns += super().launch([overrides], initial_job_idx + index)
+                outcomes.append(outcome(returns[-1]))
+                if disk_full_detail(outcomes[-1]):
+                    break
+        except KeyboardInterrupt:
+            outcomes.append(("interrupted", "Ctrl-C: its run was not published"))
+        except Exception as err:  # noqa: BLE001 - Hydra's own writes (the job's .hydra/ files) on a full disk
+            full = disk_full(err)
+            if full is None:
+                raise
+            outcomes.append(("failed", disk_full_line(full)))
+        outcomes += [("not run", "")] * (len(job_overrides) - len(outcomes))
+        summarize(job_overrides, settle(self, job_overrides, outcomes, since))
         return returns
 
 
@@ -73,6 +143,7 @@ class _SubmititLauncher(BaseSubmititLauncher):
         self.left_queue: dict[int, float] = {}  # point -> when its job was first seen gone from the queue
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        since = time.time()
         outcomes = self.plan(job_overrides)
         todo = [(i, list(o)) for i, o in enumerate(job_overrides) if i not in outcomes]
         if todo:
@@ -80,7 +151,7 @@ class _SubmititLauncher(BaseSubmititLauncher):
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o700)  # the pickles in it are code our jobs run
             outcomes.update(self.run_points(todo, initial_job_idx))
-        ordered = [outcomes[i] for i in range(len(job_overrides))]
+        ordered = settle(self, job_overrides, [outcomes[i] for i in range(len(job_overrides))], since)
         summarize(job_overrides, ordered)
         return [JobReturn(overrides=list(o), _return_value=v, status=JobStatus.COMPLETED)
                 for o, v in zip(job_overrides, ordered)]
@@ -92,6 +163,7 @@ class _SubmititLauncher(BaseSubmititLauncher):
 
         first_of: dict[str, int] = {}
         outcomes = {}
+        roots = set()  # of finished points: their tables are rebuilt if a full disk left them stale
         for index, overrides in enumerate(job_overrides):
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
             rid = store.run_id(runner.result_config(cfg))
@@ -99,7 +171,10 @@ class _SubmititLauncher(BaseSubmititLauncher):
                 outcomes[index] = ("skipped", f"the same run as #{first_of[rid]}")
             elif cfg.skip_finished and store.is_finished(Path(cfg.results_root), rid):
                 outcomes[index] = ("skipped", "finished before")
+                roots.add(Path(cfg.results_root))
             first_of.setdefault(rid, index)
+        for root in roots:
+            store.update_tables(root, only_if_stale=True)
         return outcomes
 
     def submit_args(self, index: int, overrides: list[str], initial_job_idx: int) -> tuple:
@@ -159,26 +234,64 @@ class LocalLauncher(_SubmititLauncher):
         queue = list(points)
         outcomes: dict[int, tuple[str, str]] = {}
         log.info("kvbench local launcher: %d points, at most %d at once (%d GPUs)", len(points), limit, gpus)
-
-        while queue or jobs:
-            while queue and len(jobs) < limit:
-                index, overrides = queue.pop(0)
-                gpu = free.pop(0) if free else None
-                if gpu is not None:
-                    pinned[index] = gpu
-                executor.update_parameters(timeout_min=self.params.get("timeout_min", 240),
-                                           gpus_per_node=0 if gpu is None else 1,
-                                           visible_gpus=() if gpu is None else (gpu,))
-                jobs[index] = executor.submit(self, *self.submit_args(index, overrides, initial_job_idx))
-            finished = self.poll(jobs)
-            for index in finished:
-                del jobs[index]
-                if index in pinned:
-                    free.append(pinned.pop(index))
-            outcomes.update(finished)
-            if not finished:
-                time.sleep(POLL_SECONDS)
+        try:
+            while (queue and not any(map(disk_full_detail, outcomes.values()))) or jobs:
+                while queue and len(jobs) < limit and not any(map(disk_full_detail, outcomes.values())):
+                    index, overrides = queue.pop(0)
+                    gpu = free.pop(0) if free else None
+                    if gpu is not None:
+                        pinned[index] = gpu
+                    executor.update_parameters(timeout_min=self.params.get("timeout_min", 240),
+                                               gpus_per_node=0 if gpu is None else 1,
+                                               visible_gpus=() if gpu is None else (gpu,))
+                    with self.controller_stderr():
+                        jobs[index] = executor.submit(self, *self.submit_args(index, overrides, initial_job_idx))
+                finished = self.poll(jobs)
+                for index in finished:
+                    del jobs[index]
+                    if index in pinned:
+                        free.append(pinned.pop(index))
+                outcomes.update(finished)
+                if not finished:
+                    time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            outcomes.update(self.interrupt(jobs))
+        finally:
+            self.remove_literal_job_folder()
+        outcomes.update({index: ("not run", "") for index, _ in queue})
         return outcomes
+
+    def interrupt(self, jobs: dict[int, object]) -> dict[int, tuple[str, str]]:
+        """Ctrl-C: pass SIGINT on to the running points (a terminal sends it to them too) and give them
+        INTERRUPT_GRACE_SECONDS to record themselves as interrupted and exit."""
+        for job in jobs.values():
+            job.cancel(check=False)  # SIGINT to the job's controller, which passes it on to the run
+        deadline = time.monotonic() + INTERRUPT_GRACE_SECONDS
+        while any(not job.done() for job in jobs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return {index: ("interrupted", "Ctrl-C: its run was not published") for index in jobs}
+
+    @contextmanager
+    def controller_stderr(self):
+        """Point this process's stderr, which a job's controller inherits as it starts, at a log file in
+        the submitit folder: the controller prints a traceback when Ctrl-C stops it (its run logs elsewhere)."""
+        folder = Path(str(self.params["submitit_folder"])).parent
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with open(folder / "controllers.log", "ab") as log_file:
+            os.dup2(log_file.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    def remove_literal_job_folder(self) -> None:
+        """submitit's local controller creates the folder it is given literally (".../%j") beside the job
+        folders it names; it stays empty."""
+        literal = Path(str(self.params["submitit_folder"]))
+        if "%j" in literal.name and literal.is_dir() and not any(literal.iterdir()):
+            literal.rmdir()
 
 
 class SlurmLauncher(_SubmititLauncher):
@@ -198,11 +311,15 @@ class SlurmLauncher(_SubmititLauncher):
         args = [self.submit_args(index, overrides, initial_job_idx) for index, overrides in points]
         jobs = dict(zip((index for index, _ in points), executor.map_array(self, *zip(*args))))
         outcomes: dict[int, tuple[str, str]] = {}
-        while jobs:
-            finished = self.poll(jobs)
-            for index in finished:
-                del jobs[index]
-            outcomes.update(finished)
-            if jobs:
-                time.sleep(POLL_SECONDS)
+        try:
+            while jobs:
+                finished = self.poll(jobs)
+                for index in finished:
+                    del jobs[index]
+                outcomes.update(finished)
+                if jobs:
+                    time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:  # the jobs are the cluster's: they go on, and kvbench status follows them
+            outcomes.update({index: ("still running", f"SLURM job {job.job_id}; `scancel {job.job_id}` stops it")
+                             for index, job in jobs.items()})
         return outcomes
