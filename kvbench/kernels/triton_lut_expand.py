@@ -29,7 +29,7 @@ def _expand(
     H, T, E, D, DV, n_stored_tiles,
     HAS_MEMBER_KEYS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    row, tile = tl.program_id(0), tl.program_id(1)
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: large batches pass 2^31 elements
     b, h = row // H, row % H
     C = T + E
     length = tl.load(len_ptr + row)
@@ -107,7 +107,7 @@ def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
 
 @triton.jit
 def _fold(stats_ptr, slot_ptr, len_ptr, out_ptr, Hs, group, C, capacity, BLOCK: tl.constexpr):
-    row, tile = tl.program_id(0), tl.program_id(1)
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
     kv_row = (row // Hs) * (Hs // group) + (row % Hs) // group
     length = tl.load(len_ptr + kv_row)
     e = tile * BLOCK + tl.arange(0, BLOCK)
