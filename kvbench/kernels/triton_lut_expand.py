@@ -22,7 +22,7 @@ FOLD_BLOCK = 1024  # entries per program of the fold
 
 
 @triton.jit
-def _expand(
+def _lut_expand(
     k_ptr, v_ptr, pos_ptr, len_ptr, slot_ptr, cum_ptr, lpos_ptr, lnorm_ptr, mk_ptr,
     ok_ptr, ov_ptr, opos_ptr, oslot_ptr, olen_ptr,
     skb, skh, skt, skd, svb, svh, svt, svd, smb, smh, sme, smd,
@@ -94,7 +94,7 @@ def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
     mk = keys if member_keys is None else member_keys
     mk_strides = (0, 0, 0, 0) if member_keys is None else member_keys.stride()
     n_stored_tiles = triton.cdiv(T, BLOCK)
-    _expand[(B * H, n_stored_tiles + triton.cdiv(E, BLOCK))](
+    _lut_expand[(B * H, n_stored_tiles + triton.cdiv(E, BLOCK))](
         keys, values, positions.contiguous(), lengths.contiguous(), slot.contiguous(), cum,
         lut_position.contiguous(), lut_norm.contiguous(), mk,
         out_keys, out_values, out_positions, out_slot, out_lengths,
@@ -106,7 +106,7 @@ def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
 
 
 @triton.jit
-def _fold(stats_ptr, slot_ptr, len_ptr, out_ptr, Hs, group, C, capacity, BLOCK: tl.constexpr):
+def _lut_fold(stats_ptr, slot_ptr, len_ptr, out_ptr, Hs, group, C, capacity, BLOCK: tl.constexpr):
     row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
     kv_row = (row // Hs) * (Hs // group) + (row % Hs) // group
     length = tl.load(len_ptr + kv_row)
@@ -121,6 +121,6 @@ def fold_entries(stats: Tensor, slot: Tensor, lengths: Tensor, capacity: int) ->
     """Triton ``lut_expand.fold_entries``."""
     B, Hs, C = stats.shape
     out = torch.zeros(B, Hs, capacity, dtype=stats.dtype, device=stats.device)
-    _fold[(B * Hs, triton.cdiv(C, FOLD_BLOCK))](stats.contiguous(), slot.contiguous(), lengths.contiguous(), out,
+    _lut_fold[(B * Hs, triton.cdiv(C, FOLD_BLOCK))](stats.contiguous(), slot.contiguous(), lengths.contiguous(), out,
                                                 Hs, Hs // slot.shape[1], C, capacity, BLOCK=FOLD_BLOCK)
     return out
