@@ -1,8 +1,8 @@
-"""Triton twins of ``lut_expand``: EMS's expanded view written in one launch, and its fold in one.
+"""Triton twins of ``lut_expand``: EMS's expanded view written in two launches, and its fold in one.
 
-``expand_lut``: a cumulative count of the live members per row (torch ``cumsum``, one launch) gives every
-member its place; then one program per (row, tile) writes a tile of stored slots or of LUT entries straight
-to its place in the view. Every entry of the view is written exactly once: stored slot s < length to s,
+``expand_lut``: a cumulative count of the live members per row (torch ``cumsum`` and a few elementwise
+operations over the table) gives every member its place; then one program per (row, tile) writes a tile of
+stored slots (first launch) or of LUT entries (second launch) straight to its place in the view. Every entry of the view is written exactly once: stored slot s < length to s,
 live member j to length + (live members before j), dead member j to view_length + (dead members before j),
 stored padding s >= length to view_length + (dead members) + (s - length), both as padding.
 
@@ -22,13 +22,34 @@ FOLD_BLOCK = 1024  # entries per program of the fold
 
 
 @triton.jit
+def _write_entries(ok_ptr, ov_ptr, opos_ptr, oslot_ptr, row, C, D, DV, dest, inside, key, value, position, source,
+                   d, dv, in_d, in_dv):
+    """Store a tile of view entries at their destinations. Each branch of ``_lut_expand`` stores its own tile:
+    tensors merged after a runtime branch break Triton 3.6's layout pass ('arith.select' layout mismatch)."""
+    # the key and value rows' destinations as (BLOCK, 1) tensors of their own: one destination vector feeding
+    # both 2D stores and the 1D ones makes Triton 3.6's layout pass emit a mislaid select
+    dest_key = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_D), tl.int64)
+    dest_value = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_DV), tl.int64)
+    tl.store(ok_ptr + (row * C + dest_key) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
+             mask=inside[:, None] & in_d)
+    tl.store(ov_ptr + (row * C + dest_value) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
+             mask=inside[:, None] & in_dv)
+    tl.store(opos_ptr + row * C + dest, position, mask=inside)
+    tl.store(oslot_ptr + row * C + dest, source, mask=inside)
+
+
+@triton.jit
 def _lut_expand(
-    k_ptr, v_ptr, pos_ptr, len_ptr, slot_ptr, cum_ptr, lpos_ptr, lnorm_ptr, mk_ptr,
+    k_ptr, v_ptr, pos_ptr, len_ptr, slot_ptr, cum_ptr, live_ptr, mdest_ptr, lpos_ptr, lnorm_ptr, mk_ptr,
     ok_ptr, ov_ptr, opos_ptr, oslot_ptr, olen_ptr,
     skb, skh, skt, skd, svb, svh, svt, svd, smb, smh, sme, smd,
-    H, T, E, D, DV, n_stored_tiles,
-    HAS_MEMBER_KEYS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    H, T, E, D, DV,
+    MEMBERS: tl.constexpr, HAS_MEMBER_KEYS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
+    """One tile of the view: stored slots (``MEMBERS`` false: grid (rows, T tiles)) or look-up-table entries
+    (grid (rows, E tiles)). Two launches rather than a runtime branch on the tile: Triton 3.6 mislays the
+    masks of such a branch ('arith.select' layout mismatch)."""
     row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: large batches pass 2^31 elements
     b, h = row // H, row % H
     C = T + E
@@ -37,24 +58,26 @@ def _lut_expand(
     view_length = length + live_total
     d, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     in_d, in_dv = d[None, :] < D, dv[None, :] < DV
-    if tile < n_stored_tiles:
+    if not MEMBERS:
         s = tile * BLOCK + tl.arange(0, BLOCK)
         inside = s < T
         real = s < length
         dest = tl.where(real, s, view_length + (E - live_total) + (s - length))
         key = tl.load(k_ptr + b * skb + h * skh + s[:, None] * skt + d[None, :] * skd, mask=real[:, None] & in_d,
-                      other=0.0).to(tl.float32)  # both branches must give one type
+                      other=0.0)
         value = tl.load(v_ptr + b * svb + h * svh + s[:, None] * svt + dv[None, :] * svd,
                         mask=real[:, None] & in_dv, other=0.0)
         position = tl.load(pos_ptr + row * T + s, mask=real, other=-1)
         source = tl.where(real, s, 0).to(tl.int64)
+        if tile == 0:
+            tl.store(olen_ptr + row, view_length)
     else:
-        j = (tile - n_stored_tiles) * BLOCK + tl.arange(0, BLOCK)
+        j = tile * BLOCK + tl.arange(0, BLOCK)
         inside = j < E
-        cum = tl.load(cum_ptr + row * E + j, mask=inside, other=0)
-        before = tl.load(cum_ptr + row * E + j - 1, mask=inside & (j > 0), other=0)
-        real = inside & (cum > before)
-        dest = tl.where(real, length + cum - 1, view_length + j - cum)
+        # live flags and destinations come computed (``expand_lut``): derived here from the prefix counts, they
+        # make Triton 3.6's layout pass emit a mislaid select
+        real = inside & (tl.load(live_ptr + row * E + j, mask=inside, other=0) != 0)
+        dest = tl.load(mdest_ptr + row * E + j, mask=inside, other=0)
         source = tl.load(slot_ptr + row * E + j, mask=real, other=0).to(tl.int64)
         if HAS_MEMBER_KEYS:
             x = tl.load(mk_ptr + b * smb + h * smh + j[:, None] * sme + d[None, :] * smd, mask=real[:, None] & in_d,
@@ -68,14 +91,16 @@ def _lut_expand(
         value = tl.load(v_ptr + b * svb + h * svh + source[:, None] * svt + dv[None, :] * svd,
                         mask=real[:, None] & in_dv, other=0.0)
         position = tl.load(lpos_ptr + row * E + j, mask=real, other=-1)
-    tl.store(ok_ptr + (row * C + dest[:, None]) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
+    # the key and value rows' destinations as (BLOCK, 1) tensors of their own: one destination vector feeding
+    # both 2D stores and the 1D ones makes Triton 3.6's layout pass emit a mislaid select
+    dest_key = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_D), tl.int64)
+    dest_value = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_DV), tl.int64)
+    tl.store(ok_ptr + (row * C + dest_key) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
              mask=inside[:, None] & in_d)
-    tl.store(ov_ptr + (row * C + dest[:, None]) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
+    tl.store(ov_ptr + (row * C + dest_value) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
              mask=inside[:, None] & in_dv)
     tl.store(opos_ptr + row * C + dest, position, mask=inside)
     tl.store(oslot_ptr + row * C + dest, source, mask=inside)
-    if tile == 0:
-        tl.store(olen_ptr + row, view_length)
 
 
 def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, slot: Tensor, live: Tensor,
@@ -93,15 +118,19 @@ def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
     out_lengths = torch.empty_like(lengths)
     mk = keys if member_keys is None else member_keys
     mk_strides = (0, 0, 0, 0) if member_keys is None else member_keys.stride()
-    n_stored_tiles = triton.cdiv(T, BLOCK)
-    _lut_expand[(B * H, n_stored_tiles + triton.cdiv(E, BLOCK))](
-        keys, values, positions.contiguous(), lengths.contiguous(), slot.contiguous(), cum,
-        lut_position.contiguous(), lut_norm.contiguous(), mk,
-        out_keys, out_values, out_positions, out_slot, out_lengths,
-        *keys.stride(), *values.stride(), *mk_strides, H, T, E, D, DV, n_stored_tiles,
-        HAS_MEMBER_KEYS=member_keys is not None, BLOCK=BLOCK, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_DV=triton.next_power_of_2(DV),
-    )
+    # where each table entry goes: live members after the row's stored slots in table order, the others after
+    # every live entry (the view's padding), in table order too
+    entry = torch.arange(E, device=keys.device)
+    member_dest = torch.where(live, lengths.unsqueeze(-1) + cum - 1,
+                              (lengths + cum[..., -1]).unsqueeze(-1) + entry - cum).contiguous()
+    args = (keys, values, positions.contiguous(), lengths.contiguous(), slot.contiguous(), cum,
+            live.to(torch.int8).contiguous(), member_dest,
+            lut_position.contiguous(), lut_norm.contiguous(), mk, out_keys, out_values, out_positions, out_slot,
+            out_lengths, *keys.stride(), *values.stride(), *mk_strides, H, T, E, D, DV)
+    blocks = dict(BLOCK=BLOCK, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV))
+    _lut_expand[(B * H, triton.cdiv(T, BLOCK))](*args, MEMBERS=False, HAS_MEMBER_KEYS=False, **blocks)
+    _lut_expand[(B * H, triton.cdiv(E, BLOCK))](*args, MEMBERS=True, HAS_MEMBER_KEYS=member_keys is not None,
+                                                **blocks)
     return out_keys, out_values, out_positions, out_slot, out_lengths
 
 

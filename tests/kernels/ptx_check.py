@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}
 compiled: list[str] = []
 
 
