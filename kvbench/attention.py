@@ -47,6 +47,8 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # Statistics the attention computes; raw_keys come from the stored keys when the method compresses.
 ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention", "query_column_sums"})
+# Statistics over every prompt query: they need every query's log-sum-exp from the forward.
+FULL_LSE_STATS = frozenset({"column_sums", "step_attention", "query_column_sums"})
 
 
 def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -68,32 +70,48 @@ def _base_function(impl: str):
 
 
 def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, kwargs):
-    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics.
+    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics, one
+    dict per statistic set (the plan's own, then ``plan.stat_sets``, a prompt pass shared by several methods).
 
-    Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse``.
-    Statistics of the last ``window`` queries alone need only theirs: the wrapped implementation runs the
-    forward and the window's lse is computed apart (a window of 32 rows costs a few percent of a pass)."""
-    wanted = plan.wanted & ATTENTION_STATS
-    B, Hq, Q, _ = query.shape
-    if wanted & {"column_sums", "step_attention", "query_column_sums"}:
+    Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse`` when
+    any set wants them (on the CPU it runs the kernel the wrapped sdpa runs: the same output to the bit)."""
+    sets = [(plan.wanted & ATTENTION_STATS, plan.window),
+            *((wanted & ATTENTION_STATS, window) for wanted, window in plan.stat_sets)]
+    if any(wanted & FULL_LSE_STATS for wanted, _ in sets):
         output, lse = causal_attention_lse(query, key, value, scaling)
-        q, q_pos = query, plan.query_positions
         output = output.transpose(1, 2).contiguous()
     else:
         output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
-        if not wanted:
-            return output, {}
-        q, q_pos = query[:, :, -plan.window:], plan.query_positions[:, -plan.window:]
         lse = None
+    computed = {}
+    for wanted, window in sets:
+        if (wanted, window) not in computed:
+            computed[wanted, window] = _prompt_statistics(query, key, lse, plan.query_positions, wanted, window,
+                                                          scaling)
+    return output, [computed[wanted, window] for wanted, window in sets]
+
+
+def _prompt_statistics(query, key, lse, query_positions, wanted: frozenset[str], window: int, scaling) -> dict:
+    """One statistic set of the prompt pass, exactly as a pass asking for it alone computes it: sets that need
+    every query's lse read the forward's; statistics of the last ``window`` queries alone take the window's
+    lse apart (a window of 32 rows costs a few percent of a pass); per-query-head sums (D2O) run the
+    column-sum pass over the keys repeated to the query heads (one output row per query head)."""
+    if not wanted:
+        return {}
+    B, Hq, Q, _ = query.shape
+    if wanted & FULL_LSE_STATS:
+        q, q_pos = query, query_positions
+    else:
+        q, q_pos, lse = query[:, :, -window:], query_positions[:, -window:], None
     Hkv = key.shape[1]
     per_query_head = "query_column_sums" in wanted
     if per_query_head:  # every query head's own sums: its keys repeated, then averaged per group below
         key = key.repeat_interleave(Hq // Hkv, dim=1)
-    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
+    key_pos = query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
     key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
     if lse is None:
         _, lse = attention_lse(q, key, None, key_valid, key_pos, q_pos, scaling)
-    col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=plan.window)
+    col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=window)
     stats = {}
     if per_query_head:
         stats["query_column_sums"] = col
@@ -105,7 +123,7 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
         stats["column_sums"] = col
     if "step_attention" in wanted:
         stats["step_attention"] = col
-    return output, stats
+    return stats
 
 
 def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan: PassPlan, kwargs):
@@ -156,7 +174,8 @@ def _make_attention(impl: str):
         layer_idx, plan = module.layer_idx, cache.plan
         layer = cache.layers[layer_idx]
         if layer.fresh:
-            output, stats = _prompt_attention(base, module, query, key, value, scaling, plan, kwargs)
+            output, (stats, *shared) = _prompt_attention(base, module, query, key, value, scaling, plan, kwargs)
+            cache.set_stats[layer_idx] = [AttentionStats(num_queries=plan.num_queries, **s) for s in shared]
         else:
             output, stats = _cached_attention(base, module, query, layer, scaling, plan, kwargs)
         cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)

@@ -9,6 +9,7 @@ import logging
 import platform
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,15 +70,28 @@ def _flatten(prefix: str, node: dict) -> dict:
 
 
 def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
+    method, budget = build_method(cfg)
+    task = build_task(cfg)
+    return models.load(cfg.model), method, budget, task
+
+
+def build_method(cfg: DictConfig) -> tuple[Method, Budget]:
     method = checks.instantiate_config(cfg.method)
     if not isinstance(method, Method):
         raise ConfigError(f"method config '{cfg.method.get('_target_')}' does not build a kvbench Method")
-    budget = Budget(kind=cfg.budget.kind, value=cfg.budget.value)
+    return method, Budget(kind=cfg.budget.kind, value=cfg.budget.value)
+
+
+def build_task(cfg: DictConfig) -> Task:
     task = checks.instantiate_config(cfg.task)
     if not isinstance(task, Task):
         raise ConfigError(f"task config '{cfg.task.get('_target_')}' does not build a kvbench Task")
-    lm = models.load(cfg.model)
-    return lm, method, budget, task
+    return task
+
+
+def build_engine(cfg: DictConfig, lm: models.LanguageModel, method: Method, budget: Budget) -> Engine:
+    return Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
+                  prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
 
 
 def device_id(device: torch.device) -> str:
@@ -88,6 +102,20 @@ def device_id(device: torch.device) -> str:
     return f"cuda:{torch.cuda.get_device_properties(device.index or 0).uuid}"
 
 
+@dataclass
+class Point:
+    """One run while it executes: its config, results root, id and labels, its Hydra job dir (or None), the
+    device it competes for (``device_id``) and when it was marked running (epoch seconds)."""
+
+    cfg: DictConfig
+    root: Path
+    rid: str
+    labels: dict
+    hydra_dir: Path | None
+    device_key: str
+    start: float
+
+
 def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
     """Execute one run; returns the run directory, or None when it was already finished and skipped (then it
     is sent to the configured tracker if it never was). ``skip_finished=false`` runs it again and replaces
@@ -95,6 +123,13 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
 
     While it runs, ``<root>/status/<run_id>.json`` says so; if it fails, the record holds the error
     (``kvbench status`` shows both); a finished run replaces it."""
+    point = open_point(cfg, hydra_dir)
+    return None if point is None else execute(point)
+
+
+def open_point(cfg: DictConfig, hydra_dir: Path | None) -> Point | None:
+    """Check a run and mark it running; None when it finished before (skipped, and sent to the configured
+    tracker if it never was)."""
     checks.validate(cfg)
     root = Path(cfg.results_root)
     rid = store.run_id(result_config(cfg))
@@ -103,27 +138,37 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
         trackers.log_finished(cfg.logger, store.run_dir(root, rid))
         return None
     labels = run_labels(cfg)
-    start, device = time.time(), device_id(torch.device(cfg.model.device))
-    status.mark(root, rid, "running", start=start, device_id=device, **labels)
+    point = Point(cfg, root, rid, labels, hydra_dir, device_id(torch.device(cfg.model.device)), time.time())
+    status.mark(root, rid, "running", start=point.start, device_id=point.device_key, **labels)
+    return point
+
+
+def execute(point: Point) -> Path:
+    """Run an opened point alone and publish it; a failure is recorded in its status record."""
     try:
-        return _execute(cfg, root, rid, labels, device, hydra_dir)
+        return _execute(point)
     except BaseException as err:
-        status.mark(root, rid, "failed", error=f"{type(err).__name__}: {err}", start=start, device_id=device,
-                    **labels)
+        mark_failed(point, err)
         raise
 
 
-def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: str, hydra_dir: Path | None) -> Path:
+def mark_failed(point: Point, err: BaseException) -> None:
+    status.mark(point.root, point.rid, "failed", error=f"{type(err).__name__}: {err}", start=point.start,
+                device_id=point.device_key, **point.labels)
+
+
+def prepare(cfg: DictConfig) -> None:
+    """The process settings a run needs before it builds anything: threads, seeds, the kernel backend."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # one thread per granted core: oversubscribed cores crawl
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    started = dt.datetime.now(dt.timezone.utc)
     dispatch.set_backend(cfg.kernels.backend)
-    lm, method, budget, task = build(cfg)
-    engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
+
+
+def load_samples(cfg: DictConfig, task: Task, lm: models.LanguageModel) -> list:
+    """The run's samples (the first ``limit``), each checked to fit the model."""
     samples = task.samples()
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
@@ -131,22 +176,47 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
         raise ConfigError(f"task '{task.name}' produced no samples; check its data and task.* settings")
     for sample in samples:
         task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
-    device = engine.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return samples
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False)
+
+
+def _execute(point: Point) -> Path:
+    cfg = point.cfg
+    prepare(cfg)
+    lm, method, budget, task = build(cfg)
+    engine = build_engine(cfg, lm, method, budget)
+    samples = load_samples(cfg, task, lm)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, transient=False) as progress:
-        bar = progress.add_task(store.run_label(labels), total=len(samples))
+    with progress_bar() as progress:
+        bar = progress.add_task(store.run_label(point.labels), total=len(samples))
         for start in range(0, len(samples), cfg.batch_size):
             batch = samples[start : start + cfg.batch_size]
             rows.extend(task.predict(batch, lm, engine))
             progress.advance(bar, len(batch))
-    wall = time.perf_counter() - t0
+    return publish(point, task, rows, time.perf_counter() - t0, len(samples), engine.device)
+
+
+def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: int, device: torch.device,
+            group: list[str] = ()) -> Path:
+    """Score a run's per-sample rows and write it, as if it had run alone. ``group``: the run ids of a fused
+    group it ran in (``kvbench.sweep``; this one included): its timings were shared with them, so its rows
+    say ``fused_group_size`` and the group's runs do not count as other runs on the device."""
+    cfg, root, rid, labels = point.cfg, point.root, point.rid, point.labels
+    budget = Budget(cfg.budget.kind, cfg.budget.value)
+    group_size = max(1, len(group))
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
-    overlapping = status.overlapping_runs(root, rid, device_key, started.timestamp(), time.time())
+    predictions["fused_group_size"] = group_size
+    started = dt.datetime.fromtimestamp(point.start, dt.timezone.utc)
+    overlapping = [r for r in status.overlapping_runs(root, rid, point.device_key, point.start, time.time())
+                   if r not in group]
     if overlapping:
         log.warning("run %s shared its device with %d other runs (%s): its timings are marked "
                     "concurrent_runs=%d", rid, len(overlapping), ", ".join(overlapping), len(overlapping))
@@ -164,20 +234,21 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, device_key: st
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
         "limit": cfg.limit,
-        "n_samples": len(samples),
+        "n_samples": n_samples,
         "attn_implementation": cfg.model.attn_implementation,
         "dtype": cfg.model.dtype,
         "device": str(device),
         "concurrent_runs": len(overlapping),  # > 0: timings taken while other runs shared the device
+        "fused_group_size": group_size,  # > 1: prompt passes and timings shared by a fused sweep group
         **code,
     }
     metric_rows = task.aggregate(predictions)
     summary = _summary(predictions, wall, peak_memory_bytes(device))
     metrics = pd.DataFrame([{**run_columns, **row, "sample_ids_hash": sample_ids_hash(predictions, row["dataset"]),
                              **summary} for row in metric_rows])
-    meta = _meta(cfg, labels, rid, str(device), device_key, started, len(samples), overlapping, code)
+    meta = _meta(cfg, labels, rid, str(device), point.device_key, started, n_samples, overlapping, code)
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
+    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=point.hydra_dir,
                             artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
     status.clear(root, rid)
     log.info("run %s written to %s", rid, final)

@@ -7,6 +7,10 @@ and failed (exit status 1 when one failed):
   one per visible GPU, one on a machine without GPUs: timings of points sharing a device mean nothing);
 * ``slurm``: one SLURM array job (submitit), ``array_parallelism`` points at once.
 
+Points that can share each sample's prompt pass (``kvbench.sweep``) run as one fused group: one run of the
+sequential launcher, one process of the local one, one SLURM array task; ``sweep.fuse=false`` runs every
+point alone; ``sweep.memory_gb`` caps what a group holds in prefilled rows.
+
 The two submitit launchers submit each run once (a budget sweep's full-cache points share one run id) and
 not at all when it has finished, and they stop waiting for a point whose job left the SLURM queue without
 a result (cancelled, or killed by the node): such a point is reported as failed.
@@ -26,8 +30,9 @@ from typing import Sequence
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from hydra_plugins.kvbench_launchers import fused
 
 log = logging.getLogger("kvbench")
 POLL_SECONDS = 2.0
@@ -57,29 +62,42 @@ def summarize(points: Sequence[Sequence[str]], outcomes: Sequence[tuple[str, str
 
 
 class SequentialLauncher(BasicLauncher):
-    """Hydra's basic launcher (points run in this process, in order) with the summary."""
+    """Hydra's basic launcher (points run in this process, in order) with the summary; the points of a fused
+    group run together."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        returns = super().launch(job_overrides, initial_job_idx)
+        setup_globals()
+        returns: list[JobReturn | None] = [None] * len(job_overrides)
+        for group in fused.groups(self.hydra_context, self.config, job_overrides, list(range(len(job_overrides)))):
+            if len(group) == 1:
+                returns[group[0]] = super().launch([job_overrides[group[0]]], initial_job_idx + group[0])[0]
+                continue
+            points = [(initial_job_idx + i, list(job_overrides[i])) for i in group]
+            for i, job_return in zip(group, fused.run_group(self.hydra_context, self.config, points)):
+                returns[i] = job_return
         summarize(job_overrides, [outcome(r) for r in returns])
         return returns
 
 
 class _SubmititLauncher(BaseSubmititLauncher):
-    """The submitit launcher's job function and resources, with kvbench's planning, waiting and summary."""
+    """The submitit launcher's resources, with kvbench's planning, waiting and summary. Every job runs a group
+    of points (``fused.GroupJob``; one point when it shares its prompt passes with none)."""
 
     def __init__(self, **params) -> None:
         super().__init__(**params)
-        self.left_queue: dict[int, float] = {}  # point -> when its job was first seen gone from the queue
+        self.left_queue: dict[int, float] = {}  # job (its first point) -> when first seen gone from the queue
+        self.members: dict[int, list[int]] = {}  # job (its first point) -> every point it runs
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         outcomes = self.plan(job_overrides)
-        todo = [(i, list(o)) for i, o in enumerate(job_overrides) if i not in outcomes]
+        todo = [i for i in range(len(job_overrides)) if i not in outcomes]
         if todo:
             folder = Path(str(self.params["submitit_folder"])).parent
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o700)  # the pickles in it are code our jobs run
-            outcomes.update(self.run_points(todo, initial_job_idx))
+            groups = fused.groups(self.hydra_context, self.config, job_overrides, todo)
+            outcomes.update(self.run_points([[(i, list(job_overrides[i])) for i in group] for group in groups],
+                                            initial_job_idx))
         ordered = [outcomes[i] for i in range(len(job_overrides))]
         summarize(job_overrides, ordered)
         return [JobReturn(overrides=list(o), _return_value=v, status=JobStatus.COMPLETED)
@@ -102,34 +120,44 @@ class _SubmititLauncher(BaseSubmititLauncher):
             first_of.setdefault(rid, index)
         return outcomes
 
-    def submit_args(self, index: int, overrides: list[str], initial_job_idx: int) -> tuple:
-        number = initial_job_idx + index
-        log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
-        return overrides, "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state()
+    def job_function(self) -> fused.GroupJob:
+        return fused.GroupJob(self.hydra_context, self.config)
+
+    def submit_args(self, group: list[tuple[int, list[str]]], initial_job_idx: int) -> tuple:
+        """The job function's arguments for a group of (point, overrides); registers the job's points."""
+        numbered = [(initial_job_idx + index, overrides) for index, overrides in group]
+        for number, overrides in numbered:
+            log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
+        self.members[group[0][0]] = [index for index, _ in group]
+        return numbered, Singleton.get_state()
 
     def poll(self, jobs: dict[int, object]) -> dict[int, tuple[str, str]]:
-        """Outcomes of the jobs that have finished, or left the SLURM queue without a result, since the
-        last poll (without waiting)."""
+        """Outcomes of the points whose jobs have finished, or left the SLURM queue without a result, since the
+        last poll (without waiting). ``jobs``: job by its first point."""
         from kvbench.status import slurm_queue
 
         queued = slurm_queue([j.job_id for j in jobs.values()]) if self._EXECUTOR == "slurm" else None
         outcomes = {}
-        for index, job in jobs.items():
+        for first, job in jobs.items():
+            members = self.members.get(first, [first])
             if job.done():
-                outcomes[index] = self.job_outcome(job)
+                outcomes.update(zip(members, self.job_outcomes(job, len(members))))
             elif queued is not None and job.job_id not in queued:
-                first_missed = self.left_queue.setdefault(index, time.monotonic())
+                first_missed = self.left_queue.setdefault(first, time.monotonic())
                 if time.monotonic() - first_missed >= LEFT_QUEUE_GRACE_SECONDS:
-                    outcomes[index] = ("failed", f"SLURM job {job.job_id} left the queue without a result "
-                                                 f"(cancelled or killed); its log: {job.paths.stderr}")
+                    outcomes.update((index, ("failed", f"SLURM job {job.job_id} left the queue without a result "
+                                                       f"(cancelled or killed); its log: {job.paths.stderr}"))
+                                    for index in members)
         return outcomes
 
     @staticmethod
-    def job_outcome(job) -> tuple[str, str]:
+    def job_outcomes(job, points: int) -> list[tuple[str, str]]:
+        """The outcome of each of the job's ``points``."""
         try:
-            return outcome(job.results()[0])
+            return [outcome(job_return) for job_return in job.results()[0]]
         except Exception as err:  # noqa: BLE001 - the job's own exception, or submitit's "job failed"
-            return "failed", f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+            text = str(err).strip()
+            return [("failed", f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}")] * points
 
 
 class LocalLauncher(_SubmititLauncher):
@@ -155,26 +183,27 @@ class LocalLauncher(_SubmititLauncher):
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"])
         free = list(range(gpus))
         pinned: dict[int, int] = {}
-        jobs: dict[int, object] = {}
-        queue = list(points)
+        jobs: dict[int, object] = {}  # by the group's first point
+        queue = list(groups)
         outcomes: dict[int, tuple[str, str]] = {}
-        log.info("kvbench local launcher: %d points, at most %d at once (%d GPUs)", len(points), limit, gpus)
+        log.info("kvbench local launcher: %d jobs, at most %d at once (%d GPUs)", len(groups), limit, gpus)
 
         while queue or jobs:
             while queue and len(jobs) < limit:
-                index, overrides = queue.pop(0)
+                group = queue.pop(0)
+                first = group[0][0]
                 gpu = free.pop(0) if free else None
                 if gpu is not None:
-                    pinned[index] = gpu
+                    pinned[first] = gpu
                 executor.update_parameters(timeout_min=self.params.get("timeout_min", 240),
                                            gpus_per_node=0 if gpu is None else 1,
                                            visible_gpus=() if gpu is None else (gpu,))
-                jobs[index] = executor.submit(self, *self.submit_args(index, overrides, initial_job_idx))
+                jobs[first] = executor.submit(self.job_function(), *self.submit_args(group, initial_job_idx))
             finished = self.poll(jobs)
-            for index in finished:
-                del jobs[index]
-                if index in pinned:
-                    free.append(pinned.pop(index))
+            for first in [first for first in jobs if first in finished]:
+                del jobs[first]
+                if first in pinned:
+                    free.append(pinned.pop(first))
             outcomes.update(finished)
             if not finished:
                 time.sleep(POLL_SECONDS)
@@ -182,11 +211,11 @@ class LocalLauncher(_SubmititLauncher):
 
 
 class SlurmLauncher(_SubmititLauncher):
-    """One SLURM array job of the points (``array_parallelism`` at once)."""
+    """One SLURM array job, one task per group of points (``array_parallelism`` at once)."""
 
     _EXECUTOR = "slurm"
 
-    def run_points(self, points: list[tuple[int, list[str]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
+    def run_points(self, groups: list[list[tuple[int, list[str]]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
         import submitit
 
         params = dict(self.params)
@@ -195,13 +224,13 @@ class SlurmLauncher(_SubmititLauncher):
         generic = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
                    "stderr_to_stdout"}
         executor.update_parameters(**{k if k in generic else f"slurm_{k}": v for k, v in params.items()})
-        args = [self.submit_args(index, overrides, initial_job_idx) for index, overrides in points]
-        jobs = dict(zip((index for index, _ in points), executor.map_array(self, *zip(*args))))
+        args = [self.submit_args(group, initial_job_idx) for group in groups]
+        jobs = dict(zip((group[0][0] for group in groups), executor.map_array(self.job_function(), *zip(*args))))
         outcomes: dict[int, tuple[str, str]] = {}
         while jobs:
             finished = self.poll(jobs)
-            for index in finished:
-                del jobs[index]
+            for first in [first for first in jobs if first in finished]:
+                del jobs[first]
             outcomes.update(finished)
             if jobs:
                 time.sleep(POLL_SECONDS)

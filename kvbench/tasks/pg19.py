@@ -61,6 +61,7 @@ class PG19(Task):
     """Perplexity task; see the module docstring for every protocol switch."""
 
     name: ClassVar[str] = "pg19"
+    shares_prompt_pass: ClassVar[bool] = False  # streams documents through its own engine passes
     source: str = "hub"
     data_dir: str | None = None
     text_file: str | None = None

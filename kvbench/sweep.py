@@ -1,0 +1,236 @@
+"""Fused sweeps: the points of one multirun that can share each sample's prompt pass run as one group.
+
+Which points share (``group_points``): those equal in everything but the method and the budget (model, task
+and its samples and mode, seed, batch size, limit, position mode, engine settings, kernels, results root), with
+a task that generates through ``Task.predict``'s engine calls (``Task.shares_prompt_pass``: not efficiency,
+whose timings are the measurement, nor pg19 or lm_eval) and without chunked prefill (each chunk of a point
+sees that point's compressed past). Every other point runs alone, as without fusing.
+
+A group (``run_group``, one process or one SLURM job) skips its finished points and repeats of a run id, loads
+the model, the task and its samples once, and for every batch of ``batch_size`` samples prefills each prompt
+once for all its points (``kvbench.shared_prefill``); each point then decodes its rows as it would alone (the
+same batch through ``Engine.decode``, so on the CPU the same tokens) and scores them; at the end every point is
+written as if it had run alone (``runner.publish``: its run id, run dir, status record). If the group fails, its
+unpublished points run again one by one, so that an error fails only the point that has it.
+
+Memory: a batch's rows of every point are held until each point has decoded them; when their estimated size
+exceeds the memory budget, the points are split into chunks, each with its own prompt pass.
+Timings: a fused row's time to first token is the whole shared pass plus the point's own compression and
+suffix; its run's wall time is the group's; its rows say ``fused_group_size``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig
+
+from kvbench import models, store
+from kvbench.attention import attach
+from kvbench.engine import DeviceTimer, Engine, Generation, _sync
+from kvbench.memory import PeakMemory
+from kvbench.runner import (FULL, Point, build_engine, build_method, build_task, execute, load_samples,
+                            mark_failed, open_point, prepare, progress_bar, publish, result_config)
+from kvbench.shared_prefill import prefill_points
+from kvbench.tasks.base import GenerationCall, generation_calls
+
+log = logging.getLogger("kvbench")
+POINT_KEYS = ("method", "budget")  # what the points of one group may differ in
+AUTO_MEMORY_SHARE = 0.5  # memory budget when none is set: this share of the device's free memory
+
+
+def alone_because(cfg: DictConfig) -> str | None:
+    """Why a point cannot share its prompt passes with other points, or None when it can."""
+    task = get_class(cfg.task._target_)
+    if not task.shares_prompt_pass:
+        return f"task {task.name} runs its own engine passes"
+    if cfg.engine.prefill_chunk_size is not None:
+        return "engine.prefill_chunk_size is set: each point's chunks see its own compressed past"
+    return None
+
+
+def shared_pass_key(cfg: DictConfig) -> str:
+    """A hash of everything a point's prompt passes and samples depend on (all but ``POINT_KEYS``)."""
+    config = {k: v for k, v in result_config(cfg).items() if k not in POINT_KEYS}
+    return store.run_id({**config, "kernels": cfg.kernels.backend, "results_root": str(cfg.results_root)})
+
+
+def group_points(cfgs: list[DictConfig]) -> list[list[int]]:
+    """The points' indices in groups that share prompt passes, in sweep order; a point that cannot share is a
+    group of its own."""
+    groups: list[list[int]] = []
+    by_key: dict[str, list[int]] = {}
+    for index, cfg in enumerate(cfgs):
+        if alone_because(cfg) is not None:
+            groups.append([index])
+            continue
+        key = shared_pass_key(cfg)
+        if key not in by_key:
+            groups.append(by_key.setdefault(key, []))
+        by_key[key].append(index)
+    return groups
+
+
+def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | None = None) -> list[tuple[str, str]]:
+    """Run one group of points (resolved configs, each with its Hydra job dir or None); returns each point's
+    outcome for the sweep summary: (done | skipped | failed, detail)."""
+    from kvbench.__main__ import print_metrics
+
+    outcomes: list[tuple[str, str] | None] = [None] * len(points)
+    opened: list[tuple[int, Point]] = []
+    first_of: dict[str, int] = {}
+    for index, (cfg, hydra_dir) in enumerate(points):
+        rid = store.run_id(result_config(cfg))
+        if rid in first_of:
+            outcomes[index] = ("skipped", "the same run as an earlier point of its group")
+            continue
+        first_of[rid] = index
+        try:
+            point = open_point(cfg, hydra_dir)
+        except Exception as err:  # noqa: BLE001 - a bad point fails alone
+            outcomes[index] = _failed(err)
+            continue
+        if point is None:
+            outcomes[index] = ("skipped", "finished before")
+        else:
+            opened.append((index, point))
+    published: dict[str, Path] = {}
+    if len(opened) > 1:
+        try:
+            _run_fused([point for _, point in opened], memory_gb, published)
+        except Exception:  # noqa: BLE001 - every point not yet published runs alone: only the culprit fails
+            log.exception("fused group of %d points failed; its unpublished points run one by one", len(opened))
+        except BaseException as err:
+            for _, point in opened:
+                if point.rid not in published:
+                    mark_failed(point, err)
+            raise
+    for index, point in opened:
+        try:
+            run_dir = published.get(point.rid) or execute(point)
+        except Exception as err:  # noqa: BLE001 - recorded by execute; the group goes on
+            log.exception("run %s failed", point.rid)
+            outcomes[index] = _failed(err)
+            continue
+        print_metrics(run_dir)
+        outcomes[index] = ("done", str(run_dir))
+    return outcomes
+
+
+def _failed(err: Exception) -> tuple[str, str]:
+    return "failed", f"{type(err).__name__}: {err}"
+
+
+def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str, Path]) -> None:
+    """Execute the points together and publish each (into ``published`` as it lands)."""
+    cfg = points[0].cfg
+    prepare(cfg)
+    lm = models.load(cfg.model)
+    task = build_task(cfg)
+    engines = [build_engine(point.cfg, lm, *build_method(point.cfg)) for point in points]
+    samples = load_samples(cfg, task, lm)
+    device = engines[0].device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    memory = memory_budget(device, memory_gb)
+    rows: list[list[dict]] = [[] for _ in points]
+    t0 = time.perf_counter()
+    with progress_bar() as progress, attach(lm.model, cfg.model.attn_implementation):
+        bar = progress.add_task(f"{len(points)} fused points: {store.run_label(points[0].labels)}", total=len(samples))
+        for start in range(0, len(samples), cfg.batch_size):
+            batch = samples[start : start + cfg.batch_size]
+            prompts = [task.build_prompt(sample, lm) for sample in batch]
+            calls = generation_calls(prompts, lm)
+            generations = [fused_generate(engines, call, memory) for call in calls]  # [call][point]
+            for j, point_rows in enumerate(rows):
+                point_rows.extend(task.result_rows(batch, prompts, calls, [g[j] for g in generations], lm))
+            progress.advance(bar, len(batch))
+    wall = time.perf_counter() - t0
+    group = [point.rid for point in points]
+    for point, point_rows in zip(points, rows):
+        published[point.rid] = publish(point, task, point_rows, wall, len(samples), device, group)
+
+
+def memory_budget(device: torch.device, memory_gb: float | None) -> int:
+    """Bytes a group may hold in prefilled rows: ``memory_gb``, or a share of the device's free memory."""
+    if memory_gb is not None:
+        return int(memory_gb * 2**30)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    return int(AUTO_MEMORY_SHARE * free)
+
+
+def fused_generate(engines: list[Engine], call: GenerationCall, memory: int) -> list[list[Generation]]:
+    """``call`` for every engine (one per point): each prompt prefilled once for a chunk of points that fits
+    ``memory`` bytes, then each point's rows decoded as one batch. Returns the ``Generation``s per engine."""
+    generations: list[list[Generation] | None] = [None] * len(engines)
+    with PeakMemory(engines[0].device) as peak:
+        for chunk in _chunks([_rows_bytes(engine, call) for engine in engines], memory):
+            for index, gens in zip(chunk, _generate_together([engines[i] for i in chunk], call)):
+                generations[index] = gens
+    for engine, gens in zip(engines, generations):
+        engine.record_peak(gens, peak.bytes)
+    return generations
+
+
+def _chunks(sizes: list[int], memory: int) -> list[list[int]]:
+    """Consecutive indices whose sizes sum to at most ``memory`` (a single index may exceed it)."""
+    chunks, total = [[]], 0
+    for index, size in enumerate(sizes):
+        if chunks[-1] and total + size > memory:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(index)
+        total += size
+    return chunks
+
+
+def _rows_bytes(engine: Engine, call: GenerationCall) -> int:
+    """Estimated bytes of one point's prefilled rows of ``call``: each prompt's budget (the whole prompt for the
+    full cache), its suffix and the tokens it may generate, at the model's K+V bytes per token."""
+    config = engine.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * engine.model.dtype.itemsize
+    total = 0
+    for b, context in enumerate(call.contexts):
+        n = len(context)
+        keep = n if engine.method.name == FULL else min(n, int(engine.budget.n_keep(
+            torch.tensor([n]), call.max_new_tokens, engine.method.budget_basis)[0]))
+        suffix = 0 if call.suffixes is None else len(call.suffixes[b])
+        total += (keep + suffix + call.max_new_tokens) * token_bytes
+    return total
+
+
+def _generate_together(engines: list[Engine], call: GenerationCall) -> list[list[Generation]]:
+    """Every prompt of ``call`` prefilled once for all ``engines`` (a prompt repeated in the call once), then
+    each engine's rows decoded as one batch, as ``Engine.generate`` decodes them alone."""
+    device = engines[0].device
+    timers = [DeviceTimer(device) for _ in engines]
+    rows: list[list | None] = [[] for _ in engines]
+    seconds = [0.0] * len(engines)
+    prefilled = {}
+    for b, context in enumerate(call.contexts):
+        suffix = [] if call.suffixes is None else call.suffixes[b]
+        key = (tuple(context), tuple(suffix))
+        if key not in prefilled:
+            prefilled[key] = prefill_points(engines, context, call.max_new_tokens, suffix, timers)
+            for i, row in enumerate(prefilled[key]):
+                seconds[i] += row.seconds
+        for i, row in enumerate(prefilled[key]):
+            rows[i].append(row.session)
+    prefilled.clear()
+    lengths = [len(context) for context in call.contexts]
+    generations = []
+    for i, engine in enumerate(engines):
+        t0 = time.perf_counter()
+        session = engine.join(rows[i], timers[i])
+        rows[i] = None  # the batch session holds this point's rows now
+        _sync(device)
+        generations.append(engine.decode(session, lengths, seconds[i] + time.perf_counter() - t0,
+                                         call.max_new_tokens, call.stop_token_ids, call.min_new_tokens,
+                                         call.stop_when))
+    return generations
