@@ -12,7 +12,7 @@ copy of the layer (fresh state and tables: methods assign state on their input; 
 pass's tensors, such as the full cache, is cloned), and the pass's uncompressed layer is dropped: peak memory is
 one uncompressed layer plus the points' compressed caches. A point whose budgets need every layer's statistics
 (``Method.budget_needs``, D2O) compresses after the pass, so the prompt cache is then held until the pass ends,
-as when it runs alone.
+as when it runs alone. A point whose compression raises gets its error instead of a row; the others go on.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from kvbench.kv import AttentionStats, LayerKV
 class PrefilledRow:
     """One point's share of a shared prompt pass.
 
-    session: the point's single-row session, the unit ``Engine.prefill`` joins into a batch.
-    seconds: its time to first token: the whole shared pass, plus its own compression and suffix."""
+    session: the point's single-row session, the unit ``Engine.prefill`` joins into a batch (None on error).
+    seconds: its time to first token: the whole shared pass, plus its own compression and suffix.
+    error:   what the point's compression or suffix raised, if it did."""
 
-    session: Session
+    session: Session | None
     seconds: float
+    error: Exception | None = None
 
 
 def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int, suffix: list[int],
@@ -55,20 +57,26 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
     requests = [(engine.method.needs, engine.method.window) for engine in engines]
     stat_sets = tuple(dict.fromkeys(requests))
     kept_stats = [[None] * L for _ in engines]  # the deferred points' statistics, every layer's
+    errors: list[Exception | None] = [None] * len(engines)
     cache, shared = CompressedCache(L), _SharedStorage()
 
     def compress_layer(layer: int) -> None:
         kv, stats = cache.kv(layer), cache.set_stats[layer]
         shared.add(kv)
         for i, (engine, session) in enumerate(zip(engines, sessions)):
+            if errors[i] is not None:
+                continue
             fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
             own_stats = dataclasses.replace(stats[stat_sets.index(requests[i])])
-            own_stats = engine.with_raw_keys(fork, own_stats, engine.method.needs)
-            if deferred[i]:
-                session.cache.set_kv(layer, fork)
-                kept_stats[i][layer] = own_stats
-            else:
-                engine.compress_prompt_layer(session, layer, fork, own_stats, own=shared.private)
+            try:
+                own_stats = engine.with_raw_keys(fork, own_stats, engine.method.needs)
+                if deferred[i]:
+                    session.cache.set_kv(layer, fork)
+                    kept_stats[i][layer] = own_stats
+                else:
+                    engine.compress_prompt_layer(session, layer, fork, own_stats, own=shared.private)
+            except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
+                errors[i] = err
         cache.layers[layer].kv, cache.set_stats[layer] = None, []  # the uncompressed layer, freed
 
     index = torch.arange(n, device=device).view(1, -1)
@@ -84,9 +92,15 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
     rows = []
     for i, (engine, session) in enumerate(zip(engines, sessions)):
         t1 = time.perf_counter()
-        if deferred[i]:
-            engine.compress_after_pass(session, n_keeps[i], kept_stats[i], max_new_tokens, own=shared.private)
-        engine.finish_row(session, n, logits, suffix, max_new_tokens)
+        try:
+            if errors[i] is not None:
+                raise errors[i]
+            if deferred[i]:
+                engine.compress_after_pass(session, n_keeps[i], kept_stats[i], max_new_tokens, own=shared.private)
+            engine.finish_row(session, n, logits, suffix, max_new_tokens)
+        except Exception as err:  # noqa: BLE001 - as above
+            rows.append(PrefilledRow(None, 0.0, err))
+            continue
         _sync(device)
         rows.append(PrefilledRow(session, shared_seconds + in_pass[i] + time.perf_counter() - t1))
     return rows

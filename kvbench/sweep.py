@@ -100,17 +100,22 @@ def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | N
         else:
             opened.append((index, point))
     published: dict[str, Path] = {}
+    failures: dict[str, Exception] = {}
     if len(opened) > 1:
         try:
-            _run_fused([point for _, point in opened], memory_gb, published)
+            _run_fused([point for _, point in opened], memory_gb, published, failures)
         except Exception:  # noqa: BLE001 - every point not yet published runs alone: only the culprit fails
             log.exception("fused group of %d points failed; its unpublished points run one by one", len(opened))
+            failures.clear()
         except BaseException as err:
             for _, point in opened:
                 if point.rid not in published:
                     mark_failed(point, err)
             raise
     for index, point in opened:
+        if point.rid in failures:
+            outcomes[index] = _failed(failures[point.rid])
+            continue
         try:
             run_dir = published.get(point.rid) or execute(point)
         except Exception as err:  # noqa: BLE001 - recorded by execute; the group goes on
@@ -126,19 +131,26 @@ def _failed(err: Exception) -> tuple[str, str]:
     return "failed", f"{type(err).__name__}: {err}"
 
 
-def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str, Path]) -> None:
-    """Execute the points together and publish each (into ``published`` as it lands)."""
+def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str, Path],
+               failures: dict[str, Exception]) -> None:
+    """Execute the points together; publish each (into ``published`` as it lands), or record the error of a
+    point that failed (in ``failures``, and its status record) while the others went on."""
     cfg = points[0].cfg
     prepare(cfg)
     lm = models.load(cfg.model)
     task = build_task(cfg)
-    engines = [build_engine(point.cfg, lm, *build_method(point.cfg)) for point in points]
+    engines = {}
+    for point in points:
+        try:
+            engines[point.rid] = build_engine(point.cfg, lm, *build_method(point.cfg))
+        except Exception as err:  # noqa: BLE001 - a point that cannot be built fails alone
+            _fail(point, err, failures)
     samples = load_samples(cfg, task, lm)
-    device = engines[0].device
+    device = lm.model.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     memory = memory_budget(device, memory_gb)
-    rows: list[list[dict]] = [[] for _ in points]
+    rows: dict[str, list[dict]] = {point.rid: [] for point in points}
     t0 = time.perf_counter()
     with progress_bar() as progress, attach(lm.model, cfg.model.attn_implementation):
         bar = progress.add_task(f"{len(points)} fused points: {store.run_label(points[0].labels)}", total=len(samples))
@@ -146,14 +158,28 @@ def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str
             batch = samples[start : start + cfg.batch_size]
             prompts = [task.build_prompt(sample, lm) for sample in batch]
             calls = generation_calls(prompts, lm)
-            generations = [fused_generate(engines, call, memory) for call in calls]  # [call][point]
-            for j, point_rows in enumerate(rows):
-                point_rows.extend(task.result_rows(batch, prompts, calls, [g[j] for g in generations], lm))
+            live = [point for point in points if point.rid not in failures]
+            if not live:
+                break
+            generations = [fused_generate([engines[p.rid] for p in live], call, memory) for call in calls]
+            for j, point in enumerate(live):  # generations: [call][point] -> Generations, or the point's error
+                error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
+                if error is not None:
+                    _fail(point, error, failures)
+                    continue
+                rows[point.rid].extend(task.result_rows(batch, prompts, calls, [g[j] for g in generations], lm))
             progress.advance(bar, len(batch))
     wall = time.perf_counter() - t0
     group = [point.rid for point in points]
-    for point, point_rows in zip(points, rows):
-        published[point.rid] = publish(point, task, point_rows, wall, len(samples), device, group)
+    for point in points:
+        if point.rid not in failures:
+            published[point.rid] = publish(point, task, rows[point.rid], wall, len(samples), device, group)
+
+
+def _fail(point: Point, err: Exception, failures: dict[str, Exception]) -> None:
+    log.error("run %s failed in its fused group: %s: %s", point.rid, type(err).__name__, err, exc_info=err)
+    mark_failed(point, err)
+    failures[point.rid] = err
 
 
 def memory_budget(device: torch.device, memory_gb: float | None) -> int:
@@ -164,16 +190,18 @@ def memory_budget(device: torch.device, memory_gb: float | None) -> int:
     return int(AUTO_MEMORY_SHARE * free)
 
 
-def fused_generate(engines: list[Engine], call: GenerationCall, memory: int) -> list[list[Generation]]:
+def fused_generate(engines: list[Engine], call: GenerationCall, memory: int) -> list[list[Generation] | Exception]:
     """``call`` for every engine (one per point): each prompt prefilled once for a chunk of points that fits
-    ``memory`` bytes, then each point's rows decoded as one batch. Returns the ``Generation``s per engine."""
-    generations: list[list[Generation] | None] = [None] * len(engines)
+    ``memory`` bytes, then each point's rows decoded as one batch. Returns the ``Generation``s per engine, or
+    the error of an engine that failed."""
+    generations: list = [None] * len(engines)
     with PeakMemory(engines[0].device) as peak:
         for chunk in _chunks([_rows_bytes(engine, call) for engine in engines], memory):
             for index, gens in zip(chunk, _generate_together([engines[i] for i in chunk], call)):
                 generations[index] = gens
     for engine, gens in zip(engines, generations):
-        engine.record_peak(gens, peak.bytes)
+        if not isinstance(gens, Exception):
+            engine.record_peak(gens, peak.bytes)
     return generations
 
 
@@ -205,32 +233,43 @@ def _rows_bytes(engine: Engine, call: GenerationCall) -> int:
     return total
 
 
-def _generate_together(engines: list[Engine], call: GenerationCall) -> list[list[Generation]]:
+def _generate_together(engines: list[Engine], call: GenerationCall) -> list[list[Generation] | Exception]:
     """Every prompt of ``call`` prefilled once for all ``engines`` (a prompt repeated in the call once), then
-    each engine's rows decoded as one batch, as ``Engine.generate`` decodes them alone."""
+    each engine's rows decoded as one batch, as ``Engine.generate`` decodes them alone; an engine that failed
+    gets its error."""
     device = engines[0].device
     timers = [DeviceTimer(device) for _ in engines]
     rows: list[list | None] = [[] for _ in engines]
     seconds = [0.0] * len(engines)
+    errors: list[Exception | None] = [None] * len(engines)
     prefilled = {}
     for b, context in enumerate(call.contexts):
         suffix = [] if call.suffixes is None else call.suffixes[b]
         key = (tuple(context), tuple(suffix))
-        if key not in prefilled:
-            prefilled[key] = prefill_points(engines, context, call.max_new_tokens, suffix, timers)
-            for i, row in enumerate(prefilled[key]):
+        live = [i for i, error in enumerate(errors) if error is None]
+        if key not in prefilled and live:
+            prefilled[key] = dict(zip(live, prefill_points([engines[i] for i in live], context,
+                                                           call.max_new_tokens, suffix, [timers[i] for i in live])))
+            for i, row in prefilled[key].items():
                 seconds[i] += row.seconds
-        for i, row in enumerate(prefilled[key]):
+                errors[i] = errors[i] or row.error
+        for i, row in prefilled.get(key, {}).items():
             rows[i].append(row.session)
     prefilled.clear()
     lengths = [len(context) for context in call.contexts]
     generations = []
     for i, engine in enumerate(engines):
-        t0 = time.perf_counter()
-        session = engine.join(rows[i], timers[i])
-        rows[i] = None  # the batch session holds this point's rows now
-        _sync(device)
-        generations.append(engine.decode(session, lengths, seconds[i] + time.perf_counter() - t0,
-                                         call.max_new_tokens, call.stop_token_ids, call.min_new_tokens,
-                                         call.stop_when))
+        if errors[i] is not None:
+            generations.append(errors[i])
+            continue
+        try:
+            t0 = time.perf_counter()
+            session = engine.join(rows[i], timers[i])
+            rows[i] = None  # the batch session holds this point's rows now
+            _sync(device)
+            generations.append(engine.decode(session, lengths, seconds[i] + time.perf_counter() - t0,
+                                             call.max_new_tokens, call.stop_token_ids, call.min_new_tokens,
+                                             call.stop_when))
+        except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
+            generations.append(err)
     return generations

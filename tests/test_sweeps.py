@@ -79,14 +79,15 @@ def test_a_point_failing_under_a_launcher_returns_a_result_instead_of_exiting(tm
 
 
 class FakeJob:
-    """A submitit job that finishes after ``polls`` calls of done()."""
+    """A submitit job of a group of points that finishes after ``polls`` calls of done()."""
 
     running: set = set()
     peak = 0
 
-    def __init__(self, name: str, polls: int = 3, job_id: str = "1") -> None:
-        self.name, self.polls, self.job_id = name, polls, job_id
-        FakeJob.running.add(name)
+    def __init__(self, names: list[str], polls: int = 3, job_id: str = "1") -> None:
+        self.names, self.polls, self.job_id = names, polls, job_id
+        self.name = " ".join(names)
+        FakeJob.running.add(self.name)
         FakeJob.peak = max(FakeJob.peak, len(FakeJob.running))
 
     def done(self) -> bool:
@@ -96,7 +97,8 @@ class FakeJob:
         return self.polls <= 0
 
     def results(self):
-        return [JobReturn(overrides=[], _return_value=("done", self.name), status=JobStatus.COMPLETED)]
+        return [[JobReturn(overrides=[], _return_value=("done", name), status=JobStatus.COMPLETED)
+                 for name in self.names]]
 
 
 class FakeExecutor:
@@ -108,9 +110,9 @@ class FakeExecutor:
     def update_parameters(self, **kwargs) -> None:
         self.parameters.update(kwargs)
 
-    def submit(self, fn, overrides, *args):
+    def submit(self, fn, points, *args):
         FakeExecutor.gpus_seen.append(self.parameters["visible_gpus"])
-        return FakeJob(" ".join(overrides))
+        return FakeJob([" ".join(overrides) for _, overrides in points])
 
 
 @pytest.mark.parametrize(("max_parallel", "peak"), [(None, 1), (2, 2)])
@@ -123,10 +125,11 @@ def test_local_launcher_runs_at_most_max_parallel_points_at_once(max_parallel, p
     monkeypatch.setattr(launchers, "POLL_SECONDS", 0.0)
     FakeJob.running, FakeJob.peak = set(), 0
     launcher = launchers.LocalLauncher(max_parallel=max_parallel, submitit_folder=str(tmp_path / "%j"))
-    monkeypatch.setattr(launcher, "submit_args", lambda i, o, first: (o,))
-    points = [(i, [f"seed={i}"]) for i in range(5)]
-    outcomes = launcher.run_points(points, 0)
-    assert outcomes == {i: ("done", f"seed={i}") for i in range(5)}
+    monkeypatch.setattr(launcher, "job_function", lambda: None)
+    groups = [[(i, [f"seed={i}"])] for i in range(5)] + [[(5, ["method=a"]), (6, ["method=b"])]]  # a fused group
+    outcomes = launcher.run_points(groups, 0)
+    assert outcomes == {**{i: ("done", f"seed={i}") for i in range(5)}, 5: ("done", "method=a"),
+                        6: ("done", "method=b")}
     assert FakeJob.peak == peak
     assert set(FakeExecutor.gpus_seen) == {()}  # no GPU: none pinned
 
@@ -141,10 +144,10 @@ def test_slurm_point_that_left_the_queue_without_a_result_is_failed(tmp_path, mo
     monkeypatch.setattr(launchers, "LEFT_QUEUE_GRACE_SECONDS", 0.0)
     monkeypatch.setattr(status, "slurm_queue", lambda ids: set())
     launcher = launchers.SlurmLauncher(submitit_folder=str(tmp_path / "%j"))
-    outcome = launcher.poll({0: Gone("p", job_id="7_0")})
+    outcome = launcher.poll({0: Gone(["p"], job_id="7_0")})
     assert outcome[0][0] == "failed" and "SLURM job 7_0 left the queue without a result" in outcome[0][1]
     monkeypatch.setattr(status, "slurm_queue", lambda ids: {"7_0", "8"})
-    assert launcher.poll({0: Gone("p", job_id="7_0")}) == {}  # still queued: keep waiting
+    assert launcher.poll({0: Gone(["p"], job_id="7_0")}) == {}  # still queued: keep waiting
 
 
 def test_summary_counts_and_exit_status(capsys):

@@ -170,7 +170,7 @@ class LocalLauncher(_SubmititLauncher):
         super().__init__(**params)
         self.max_parallel = max_parallel
 
-    def run_points(self, points: list[tuple[int, list[str]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
+    def run_points(self, groups: list[list[tuple[int, list[str]]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
         import submitit
         import torch
 
