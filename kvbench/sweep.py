@@ -81,24 +81,7 @@ def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | N
     outcome for the sweep summary: (done | skipped | failed, detail)."""
     from kvbench.__main__ import print_metrics
 
-    outcomes: list[tuple[str, str] | None] = [None] * len(points)
-    opened: list[tuple[int, Point]] = []
-    first_of: dict[str, int] = {}
-    for index, (cfg, hydra_dir) in enumerate(points):
-        rid = store.run_id(result_config(cfg))
-        if rid in first_of:
-            outcomes[index] = ("skipped", "the same run as an earlier point of its group")
-            continue
-        first_of[rid] = index
-        try:
-            point = open_point(cfg, hydra_dir)
-        except Exception as err:  # noqa: BLE001 - a bad point fails alone
-            outcomes[index] = _failed(err)
-            continue
-        if point is None:
-            outcomes[index] = ("skipped", "finished before")
-        else:
-            opened.append((index, point))
+    outcomes, opened = _open(points)
     published: dict[str, Path] = {}
     failures: dict[str, Exception] = {}
     if len(opened) > 1:
@@ -125,6 +108,30 @@ def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | N
         print_metrics(run_dir)
         outcomes[index] = ("done", str(run_dir))
     return outcomes
+
+
+def _open(points: list[tuple[DictConfig, Path | None]]) -> tuple[list, list[tuple[int, Point]]]:
+    """Each point's outcome where it needs no run (finished before, a repeat of an earlier point's run id, a bad
+    config), and the others opened (``runner.open_point``: checked, marked running) with their index."""
+    outcomes: list[tuple[str, str] | None] = [None] * len(points)
+    opened: list[tuple[int, Point]] = []
+    seen: set[str] = set()
+    for index, (cfg, hydra_dir) in enumerate(points):
+        rid = store.run_id(result_config(cfg))
+        if rid in seen:
+            outcomes[index] = ("skipped", "the same run as an earlier point of its group")
+            continue
+        seen.add(rid)
+        try:
+            point = open_point(cfg, hydra_dir)
+        except Exception as err:  # noqa: BLE001 - a bad point fails alone
+            outcomes[index] = _failed(err)
+            continue
+        if point is None:
+            outcomes[index] = ("skipped", "finished before")
+        else:
+            opened.append((index, point))
+    return outcomes, opened
 
 
 def _failed(err: Exception) -> tuple[str, str]:
