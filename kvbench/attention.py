@@ -37,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvbench.cache import CompressedCache, CompressedLayer, PassPlan
+from kvbench.cache import CompositeCache, CompressedCache, CompressedLayer, PassPlan
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
@@ -167,10 +167,17 @@ def _make_attention(impl: str):
     base = _base_function(impl)
 
     def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cache: CompressedCache | None = kwargs.pop("kvbench_cache", None)
+        cache: CompressedCache | CompositeCache | None = kwargs.pop("kvbench_cache", None)
         scaling = module.scaling if scaling is None else scaling
         if cache is None:
             return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if isinstance(cache, CompositeCache):  # several points' rows: each attends over its own storage
+            return torch.cat([attend(module, query.narrow(0, start, rows), key.narrow(0, start, rows),
+                                     value.narrow(0, start, rows), scaling, part, kwargs)
+                              for start, rows, part in cache.partitions]), None
+        return attend(module, query, key, value, scaling, cache, kwargs), None
+
+    def attend(module, query, key, value, scaling, cache: CompressedCache, kwargs):
         layer_idx, plan = module.layer_idx, cache.plan
         layer = cache.layers[layer_idx]
         if layer.fresh:
@@ -181,7 +188,7 @@ def _make_attention(impl: str):
         cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)
         if plan.after_layer is not None:
             plan.after_layer(layer_idx)
-        return output, None
+        return output
 
     return kvbench_attention
 

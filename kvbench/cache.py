@@ -98,6 +98,45 @@ class CompressedLayer(CacheLayerMixin):
         self._mirror(kv.lengths.cpu().numpy().copy())
         self.ordered = True
 
+    def allocate(self, like: "CompressedLayer", batch: int, capacity: int) -> None:
+        """Empty static storage of ``batch`` rows at ``capacity`` slots, shaped like the prefilled row ``like``."""
+        self.lazy_initialization(like.kv.keys, like.kv.values)
+        self.adopt(LayerKV.empty(like.kv, batch, capacity), np.zeros((batch, like.host_lengths.shape[1]), np.int64))
+        self.fresh = False
+
+    def place(self, rows: np.ndarray, row: "CompressedLayer", capacity: int) -> None:
+        """Copy the one-row layer ``row`` into rows ``rows`` of this storage, first growing the storage to at
+        least ``capacity`` slots (what the row needs while it decodes) and its tables to the row's sizes."""
+        self._make_room(capacity, row.kv)
+        self.kv.put_rows(torch.as_tensor(rows, device=self.kv.keys.device), row.kv, row.longest)
+        self._set_rows(rows, row.host_lengths)
+        self.ordered = self.ordered and row.ordered
+
+    def store_rows(self, rows: np.ndarray, kv: LayerKV) -> None:
+        """``store`` for some rows: a compressed cache of rows ``rows`` written back into their storage rows."""
+        self._make_room(kv.capacity, kv)
+        self.kv.put_rows(torch.as_tensor(rows, device=self.kv.keys.device), kv, kv.capacity)
+        self._set_rows(rows, kv.lengths.cpu().numpy())
+
+    def clear_rows(self, rows: np.ndarray) -> None:
+        """Empty rows ``rows`` (length 0): a finished row that keeps stepping until a new row takes its slot."""
+        self.kv.lengths[torch.as_tensor(rows, device=self.kv.keys.device)] = 0
+        self._set_rows(rows, 0)
+
+    def _make_room(self, capacity: int, kv: LayerKV) -> None:
+        if capacity > self.kv.capacity:
+            self.grow(capacity)
+        sizes = {name: max(t.shape[-1], kv.tables[name].shape[-1]) for name, t in self.kv.tables.items()
+                 if name in kv.tables}
+        if any(self.kv.tables[name].shape[-1] < size for name, size in sizes.items()):
+            self.kv.grow_tables(sizes)
+            self.storage_version += 1
+
+    def _set_rows(self, rows: np.ndarray, host_lengths: np.ndarray | int) -> None:
+        mirror = self.host_lengths.copy()
+        mirror[rows] = host_lengths
+        self._mirror(mirror)
+
     def _mirror(self, host_lengths: np.ndarray) -> None:
         """Set the host mirror, with the two facts every pass asks: the longest row, and the common length
         of all rows (None when they differ). Writes and removals update them arithmetically."""
@@ -192,3 +231,53 @@ class CompressedCache(Cache):
 
     def allocated_bytes(self) -> int:
         return sum(layer.kv.allocated_bytes() for layer in self.layers)
+
+
+class PartitionedLayer(CacheLayerMixin):
+    """One layer of a ``CompositeCache``: what transformers asks of a layer, answered over every point's rows."""
+
+    is_sliding = False
+
+    def __init__(self, parts: list[CompressedLayer]) -> None:
+        super().__init__()
+        self.parts = parts
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        raise RuntimeError("PartitionedLayer is written through CompositeCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(part.get_seq_length() for part in self.parts)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class CompositeCache(Cache):
+    """The rows of several points (each a method, budget and storage) in one forward pass, so that the weights
+    are read once for all of them: rows ``[start, start + n)`` of the batch belong to one point's
+    ``CompressedCache``, whose ``plan`` the engine sets before the pass. The model writes through ``update``,
+    which hands each point its rows; the kvbench attention function attends each point's rows over that point's
+    storage (``kvbench.attention``)."""
+
+    def __init__(self, parts: list[CompressedCache]) -> None:
+        super().__init__(layers=[PartitionedLayer([part.layers[i] for part in parts])
+                                 for i in range(len(parts[0].layers))])
+        self.plan: PassPlan | None = None  # unused: every point's cache carries its own
+        self.partitions: list[tuple[int, int, CompressedCache]] = []  # (first row, rows, cache) in batch order
+        start = 0
+        for part in parts:
+            rows = part.layers[0].host_lengths.shape[0]
+            self.partitions.append((start, rows, part))
+            start += rows
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        for start, rows, part in self.partitions:
+            part.update(key_states.narrow(0, start, rows), value_states.narrow(0, start, rows), layer_idx)
+        return key_states, value_states

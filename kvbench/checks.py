@@ -27,7 +27,10 @@ def validate(cfg: DictConfig) -> None:
     check_top_level(cfg)
     build("method", cfg.method)
     check_budget(cfg.budget)
-    build("task", cfg.task)
+    task = build("task", cfg.task)
+    if cfg.batch_size == "auto" and task.lockstep_batches:
+        raise ConfigError(f"batch_size=auto with task={task.name}: it decodes a batch in lockstep; accepted: an "
+                          "integer >= 1")
     check_model(cfg.model)
     check_logger(cfg.logger)
     check_kernels(cfg.kernels)
@@ -38,9 +41,10 @@ def check_top_level(cfg: DictConfig) -> None:
     from kvbench.engine import POSITION_MODES
 
     _expect("seed", cfg.seed, int)
-    _expect("batch_size", cfg.batch_size, int)
-    if cfg.batch_size < 1:
-        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    if cfg.batch_size != "auto" and (not _matches(cfg.batch_size, int) or cfg.batch_size < 1):
+        raise ConfigError(f"batch_size={cfg.batch_size!r}; accepted: an integer >= 1 or auto")
+    if cfg.engine.cuda_graphs not in (True, False, "auto"):
+        raise ConfigError(f"engine.cuda_graphs={cfg.engine.cuda_graphs!r}; accepted: true, false, auto")
     _expect("limit", cfg.limit, int | None)
     if cfg.limit is not None and cfg.limit < 1:
         raise ConfigError(f"limit={cfg.limit} must be a positive number of samples, or null for all of them")

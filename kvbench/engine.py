@@ -2,7 +2,8 @@
 
     session = engine.prefill(prompts, max_new_tokens, suffixes)  # prompt passes, compression, suffixes
     session.feed(tokens)                                         # teacher-forced / decode passes
-    engine.generate(prompts, ...)                                # greedy decoding on top of the two
+    row = engine.prefill_row(prompt, max_new_tokens, suffix)     # one prefilled row, for a DecodeBatch
+    engine.generate(prompts, ...)                                # greedy decoding (kvbench.decode)
 
 Prefill runs one row at a time, so no pass ever carries padding and a batch gives exactly the outputs of its
 rows alone (a row repeated in the batch, as the throughput benchmark's copies of one prompt, is prefilled once
@@ -11,13 +12,16 @@ budgets need no statistics compresses each layer right after that layer's attent
 so the uncompressed prompt cache of a layer is freed before the next layer runs; a method whose budgets
 depend on every layer's statistics (``Method.budget_needs``, D2O) compresses after the pass. The suffix (the
 question in query-agnostic mode) follows, uncompressed. The rows' caches are then copied into the batch's
-static-capacity storage (budget plus the slots decoding adds before the next compression).
+static-capacity storage (budget plus the slots decoding adds before the next compression), or, for
+``generate``, into the slots of a ``kvbench.decode.DecodeBatch`` as earlier rows finish.
 
 Decode steps make every shape decision on the host (``CompressedLayer.host_lengths``); methods that evict
 one slot per step (``Method.evict_one``) do it in place, so a step is a fixed sequence of kernels that never
 waits for the device (``engine.cuda_graphs`` replays it as one CUDA graph, ``kvbench.graphs``). Everything
 else (multi-token passes, decode intervals > 1, rows over budget by more than one slot) runs the method's
-``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it).
+``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it); when only
+some rows are over budget (rows that joined at different times), on those rows alone. Decode intervals count
+per row from the step it joined.
 """
 
 from __future__ import annotations
@@ -117,14 +121,17 @@ class Generation:
     peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
     peak_memory_above_weights_bytes: int  # the peak minus the model's parameters (CPU growth excludes them)
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
+    batch_size: int = 1  # rows the decode batch it ran in holds (its slots)
 
 
 @dataclass
 class Session:
-    """A batch's state in the compressed cache between passes.
+    """A batch's state in the compressed cache between passes; with one row, a prefilled row (``Engine.prefill_row``)
+    that a ``DecodeBatch`` places into a slot of its storage (``place``).
 
     layer_n_keep / host_n_keep: (L, B) budgets on the device and on the host; next_index: (B,) original index
-    of each row's next token; prefill_lengths: (L, B, H) realized slots right after prefill compression."""
+    of each row's next token; prefill_lengths: (L, B, H) realized slots right after prefill compression (host);
+    row_steps: (B,) decode passes of each row since it was placed (decode intervals count per row)."""
 
     engine: "Engine"
     cache: CompressedCache
@@ -136,8 +143,16 @@ class Session:
     prefill_lengths: Tensor | None = None
     kv_bytes_full: list[int] = field(default_factory=list)  # per row
     kv_bytes_compressed: list[int] = field(default_factory=list)  # per row, after prefill compression
+    prompt_lengths: list[int] = field(default_factory=list)  # per row, without its suffix
+    prefill_seconds: float = 0.0  # a prefilled row: the wall time of its prompt pass(es), compression and suffix
+    copies: int = 1  # a prefilled row: how many batch rows share that one prefill (its time is split among them)
+    row_steps: np.ndarray | None = None
     timer: DeviceTimer | None = None
     _seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def __post_init__(self) -> None:
+        if self.row_steps is None:
+            self.row_steps = np.zeros(self.next_index.shape[0], np.int64)
 
     @property
     def compress_seconds(self) -> float:
@@ -160,43 +175,120 @@ class Session:
         so that tokens fed in a chunk accumulate scores like decoded ones. ``static_shapes``: no kernel is
         shaped by a host-known length (the step is being captured as a CUDA graph, ``kvbench.graphs``).
         """
+        plan, rope_positions = self.pass_plan(tokens.shape[1], phase, static_shapes)
+        logits = self.engine._forward(tokens, plan.query_positions, rope_positions, self.cache, plan)
+        self.after_pass(logits, phase)
+        return logits
+
+    def pass_plan(self, q: int, phase: str, static_shapes: bool) -> tuple[PassPlan, Tensor]:
+        """The plan of a pass of q tokens per row, and the tokens' RoPE positions (B, q)."""
         if phase not in ("decode", "extend"):
             raise ConfigError(f"unknown feed phase '{phase}'; accepted: decode, extend")
         engine, method = self.engine, self.engine.method
-        B, q = tokens.shape
-        index = self.next_index.view(B, 1) + torch.arange(q, device=tokens.device)
+        device = self.next_index.device
+        index = self.next_index.view(-1, 1) + torch.arange(q, device=device)
         observing = method.compress_during_decode
-        plan = PassPlan(query_positions=index, num_queries=torch.full((B,), q, device=tokens.device),
+        plan = PassPlan(query_positions=index, num_queries=torch.full((index.shape[0],), q, device=device),
                         wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window,
                         static_shapes=static_shapes, expand=engine.expand)
-        logits = engine._forward(tokens, index, engine._rope_positions(self.cache, index), self.cache, plan)
+        return plan, engine._rope_positions(self.cache, index)
+
+    def after_pass(self, logits: Tensor, phase: str) -> None:
+        """What follows a pass whose logits (B, q, V) are ``logits``: the rows advance, and a method that compresses
+        while decoding observes the pass and compresses where due."""
+        q = logits.shape[1]
         self.next_index += q  # in place: a captured decode step keeps reading the same tensor
         self.logits = logits[:, -1]
-        if observing:
-            self.decode_steps += phase == "decode"
+        if self.engine.method.compress_during_decode:
+            decode = phase == "decode"
+            self.decode_steps += decode
+            self.row_steps += decode
             with self.timer.section("decode_compress"):
-                self._observe_and_compress(compress=phase == "decode", q=q)
-        return logits
+                self._observe_and_compress(compress=decode, q=q)
+
+    def due_rows(self, ahead: int = 0) -> np.ndarray:
+        """(B,) bool: the rows whose decode pass ``ahead`` passes from now compresses (if over budget)."""
+        return (self.row_steps + ahead) % self.engine.method.decode_interval == 0
+
+    def over_budget(self, index: int, lengths: np.ndarray, due: np.ndarray) -> np.ndarray:
+        """(B,) bool: the ``due`` rows that layer ``index`` holding ``lengths`` (B, H) slots must compress."""
+        return (lengths > self.host_n_keep[index][:, None]).any(-1) & due
+
+    def eviction(self, index: int, lengths: np.ndarray, due: np.ndarray) -> str:
+        """What decode-time compression does to layer ``index`` whose rows hold ``lengths`` (B, H) slots after
+        the pass: "none", "in_place" (every row over budget by one: ``Method.evict_one``), "compress" (every row
+        over budget: ``Method.compress``) or "rows" (``Method.compress`` on the rows over budget alone)."""
+        over = self.over_budget(index, lengths, due)
+        excess = lengths - self.host_n_keep[index][:, None]
+        if not over.any():
+            return "none"
+        if not over.all():
+            return "rows"
+        return "in_place" if self.engine.in_place_eviction(1) and (excess == 1).all() else "compress"
 
     def _observe_and_compress(self, compress: bool, q: int) -> None:
         engine, cache, method = self.engine, self.cache, self.engine.method
-        due = compress and self.decode_steps % method.decode_interval == 0
-        in_place = engine.in_place_eviction(q)
+        due = self.due_rows() if compress else np.zeros(len(self.row_steps), bool)
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             for index, layer in enumerate(cache.layers):
                 stats = engine.with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
                 method.observe(index, layer.kv, stats)
-                if not due:
-                    continue
-                excess = layer.host_lengths - self.host_n_keep[index][:, None]  # (B, H)
-                if not (excess > 0).any():
-                    continue
-                if in_place and (excess == 1).all():
+                action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
+                if action == "in_place" and q == 1:
                     method.evict_one(index, layer.kv, stats, self.layer_n_keep[index])
                     layer.removed_one()
-                else:
-                    kv, stats = engine._ordered(layer, stats)
+                elif action in ("in_place", "compress"):
+                    kv, stats = engine._ordered(layer.kv, layer.ordered, stats)
                     layer.store(method.compress(index, kv, stats, self.layer_n_keep[index], "decode"))
+                elif action == "rows":
+                    rows = np.flatnonzero(self.over_budget(index, layer.host_lengths, due))
+                    taken = torch.as_tensor(rows, device=layer.kv.keys.device)
+                    kv, stats = engine._ordered(layer.kv.take_rows(taken), layer.ordered, stats.take_rows(taken))
+                    layer.store_rows(rows, method.compress(index, kv, stats, self.layer_n_keep[index][taken],
+                                                           "decode"))
+
+    # -- rows in slots --------------------------------------------------------------------------------
+
+    @classmethod
+    def allocate(cls, like: "Session", batch: int, capacities: list[int]) -> "Session":
+        """``batch`` empty slots shaped like the prefilled row ``like``, layer l at ``capacities[l]`` slots: the
+        static storage that rows are placed into (``place``)."""
+        engine = like.engine
+        cache = CompressedCache(engine.num_layers)
+        for mine, theirs, capacity in zip(cache.layers, like.cache.layers, capacities):
+            mine.allocate(theirs, batch, capacity)
+        L, H = like.prefill_lengths.shape[0], like.prefill_lengths.shape[2]
+        return cls(engine, cache, next_index=like.next_index.new_zeros(batch),
+                   layer_n_keep=like.layer_n_keep.new_zeros(L, batch),
+                   host_n_keep=np.zeros((L, batch), like.host_n_keep.dtype),
+                   logits=like.logits.new_zeros(batch, like.logits.shape[-1]),
+                   prefill_lengths=like.prefill_lengths.new_zeros(L, batch, H), kv_bytes_full=[0] * batch,
+                   kv_bytes_compressed=[0] * batch, prompt_lengths=[0] * batch, timer=DeviceTimer(engine.device))
+
+    def place(self, slots: list[int], row: "Session", capacities: list[int]) -> None:
+        """Copy the prefilled one-row session ``row`` into ``slots`` (each gets a copy), in place: storage rows,
+        per-row device tensors (a captured decode step keeps reading them) and their host mirrors; layer l's
+        storage grows to at least ``capacities[l]`` slots first (what the row needs while it decodes)."""
+        rows = np.asarray(slots)
+        index = torch.as_tensor(rows, device=self.next_index.device)
+        with torch.inference_mode():  # the logits after a pass are an inference tensor
+            for mine, theirs, capacity in zip(self.cache.layers, row.cache.layers, capacities):
+                mine.place(rows, theirs, capacity)
+            self.next_index[index] = row.next_index[0]
+            self.layer_n_keep[:, index] = row.layer_n_keep[:, :1].to(self.layer_n_keep.dtype)
+            self.logits[index] = row.logits[0].to(self.logits.dtype)
+        self.host_n_keep[:, rows] = row.host_n_keep[:, :1]
+        self.prefill_lengths[:, torch.as_tensor(rows)] = row.prefill_lengths[:, :1]
+        for b in slots:
+            self.kv_bytes_full[b], self.kv_bytes_compressed[b] = row.kv_bytes_full[0], row.kv_bytes_compressed[0]
+            self.prompt_lengths[b] = row.prompt_lengths[0]
+        self.row_steps[rows] = 0
+
+    def clear(self, slots: list[int]) -> None:
+        """Empty ``slots`` (length 0 in every layer): finished rows of a method that never compresses while
+        decoding, which would otherwise grow until they outgrow the storage."""
+        for layer in self.cache.layers:
+            layer.clear_rows(np.asarray(slots))
 
 
 class Engine:
@@ -206,7 +298,9 @@ class Engine:
     memory follows the budget instead of the prompt); None = one pass. [I] With chunks, the method compresses
     after every chunk, seeing for every cached slot its attention summed over all prompt queries so far
     (``column_sums``) and the chunk's own last ``window`` queries (``window_column_sums``).
-    cuda_graphs: replay decode steps as CUDA graphs (``kvbench.graphs``).
+    cuda_graphs: replay decode steps as CUDA graphs (``kvbench.graphs``); "auto": on for a CUDA model.
+    batch_size: rows ``generate`` decodes together (continuous batching, ``kvbench.decode``); None: every prompt
+    of a call at once; "auto": as many as free device memory holds (``kvbench.decode.auto_batch_size``).
     decode_path: "in_place" (one slot evicted in place per step where the method can) or "compress" (the
     method's functional ``compress`` every time: the reference the in-place path is tested against).
     """
@@ -219,8 +313,9 @@ class Engine:
         attn_implementation: str = "sdpa",
         position_mode: str = "original",
         prefill_chunk_size: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = "auto",
         decode_path: str = "in_place",
+        batch_size: int | str | None = None,
     ) -> None:
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"unknown position_mode '{position_mode}'; accepted: {', '.join(POSITION_MODES)}")
@@ -243,9 +338,17 @@ class Engine:
         self.decode_path = decode_path
         self.num_layers = model.config.num_hidden_layers
         self.device = next(model.parameters()).device
-        if cuda_graphs and self.device.type != "cuda":
+        if cuda_graphs not in (True, False, "auto"):
+            raise ConfigError(f"engine.cuda_graphs={cuda_graphs!r}; accepted: true, false, auto")
+        if cuda_graphs is True and self.device.type != "cuda":
             raise ConfigError(f"engine.cuda_graphs=true needs a CUDA model; this one is on {self.device}")
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs_setting = cuda_graphs
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs == "auto" else cuda_graphs
+        if batch_size is not None and batch_size != "auto" and (
+                isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ConfigError(f"batch_size={batch_size!r}; accepted: an integer >= 1 or auto")
+        self.batch_size = batch_size
+        self.on_generation: Callable[[], None] | None = None  # called as each generated row finishes (progress)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
@@ -253,7 +356,7 @@ class Engine:
     def with_method(self, method: Method, budget: Budget) -> "Engine":
         """The same model and engine settings with another method and budget (reference systems)."""
         return Engine(self.model, method, budget, self.attn_implementation, self.position_mode,
-                      self.prefill_chunk_size, self.cuda_graphs, self.decode_path)
+                      self.prefill_chunk_size, self.cuda_graphs_setting, self.decode_path, self.batch_size)
 
     def in_place_eviction(self, q: int) -> bool:
         """Whether a pass of q tokens compresses through ``Method.evict_one`` (rows over budget by one)."""
@@ -284,11 +387,11 @@ class Engine:
         return stats
 
     @staticmethod
-    def _ordered(layer, stats: AttentionStats) -> tuple[LayerKV, AttentionStats]:
-        """The layer's cache in original-token order with padding cleared, and the statistics moved with it,
-        as ``Method.compress`` expects (in-place removals leave slots unordered and padding stale)."""
-        kv = layer.kv
-        if layer.ordered:
+    def _ordered(kv: LayerKV, ordered: bool, stats: AttentionStats) -> tuple[LayerKV, AttentionStats]:
+        """A layer's cache in original-token order with padding cleared, and the statistics moved with it, as
+        ``Method.compress`` expects (in-place removals leave slots unordered and padding stale); ``ordered``:
+        the slots already are."""
+        if ordered:
             kv.zero_padding()
             return kv, stats
         order = kv.position_order()
@@ -303,26 +406,29 @@ class Engine:
                 suffixes: list[list[int]] | None = None) -> Session:
         """Each row: prompt pass(es) with compression, then its suffix (uncompressed); then the batch's storage.
 
-        ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the row's prefill compression."""
-        if any(len(p) == 0 for p in prompts):
-            raise ConfigError("empty prompt: every sample needs at least one token")
-        lengths = torch.tensor([len(p) for p in prompts])
-        n_keep = self.budget.n_keep(lengths, max_new_tokens, self.method.budget_basis)
-        timer = DeviceTimer(self.device)
-        rows, prefilled = [], {}  # a row repeated in the batch is prefilled once: its outputs are the same
+        ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the row's prefill compression. A row
+        repeated in the batch is prefilled once: its outputs are the same."""
+        rows: dict[tuple, Session] = {}
+        keys = []
         for b, prompt in enumerate(prompts):
             suffix = suffixes[b] if suffixes is not None else []
-            key = (tuple(prompt), tuple(suffix))
-            if key not in prefilled:
-                prefilled[key] = self._prefill_row(prompt, n_keep[b:b + 1], max_new_tokens, suffix, timer)
-            rows.append(prefilled[key])
-        return self.join(rows, timer)
+            keys.append((tuple(prompt), tuple(suffix)))
+            if keys[-1] not in rows:
+                rows[keys[-1]] = self.prefill_row(prompt, max_new_tokens, suffix)
+        return rows[keys[0]] if len(keys) == 1 else self._batch([rows[key] for key in keys])
 
-    def join(self, rows: list[Session], timer: DeviceTimer) -> Session:
-        """Prefilled single-row sessions as one batch session (a row repeated in ``rows`` is copied)."""
-        session = rows[0] if len(rows) == 1 else self._batch(rows)
-        session.timer = timer
-        return session
+    def prefill_row(self, prompt: list[int], max_new_tokens: int, suffix: list[int] | None = None) -> Session:
+        """One prompt's pass(es) with compression, then its suffix: a one-row session, its storage planned for
+        ``max_new_tokens`` of decoding, timed (``Session.prefill_seconds``)."""
+        if len(prompt) == 0:
+            raise ConfigError("empty prompt: every sample needs at least one token")
+        n_keep = self.budget.n_keep(torch.tensor([len(prompt)]), max_new_tokens, self.method.budget_basis)
+        _sync(self.device)
+        start = time.perf_counter()
+        row = self._prefill_row(prompt, n_keep, max_new_tokens, suffix or [], DeviceTimer(self.device))
+        _sync(self.device)
+        row.prefill_seconds = time.perf_counter() - start
+        return row
 
     def _prefill_row(self, prompt: list[int], n_keep: Tensor, max_new_tokens: int, suffix: list[int],
                      timer: DeviceTimer) -> Session:
@@ -392,6 +498,7 @@ class Engine:
         session.prefill_lengths = cache.lengths()
         session.kv_bytes_full = [prompt_length * self._token_bytes(cache)]
         session.kv_bytes_compressed = [self.row_bytes(cache, 0)]
+        session.prompt_lengths = [prompt_length]
         self._plan_capacity(session, extra=len(suffix), max_new_tokens=max_new_tokens)
         if suffix:
             session.feed(torch.tensor([suffix], device=self.device), phase="extend")
@@ -416,65 +523,38 @@ class Engine:
             stats.num_queries = torch.full_like(stats.num_queries, seen)
         return self.with_raw_keys(kv, stats, self.method.needs)
 
-    def _plan_capacity(self, session: Session, extra: int, max_new_tokens: int) -> None:
-        """Re-allocate every layer once for what comes next: ``extra`` suffix tokens, then decoding up to the
-        next compression (budget + decode_interval) or, for prompt-only methods, every new token."""
-        method = self.method
-        for index, layer in enumerate(session.cache.layers):
+    def planned_capacities(self, row: Session, max_new_tokens: int, extra: int = 0) -> list[int]:
+        """Slots every layer of ``row`` needs from now on: ``extra`` more tokens (its suffix), then decoding up to
+        the next compression (budget + decode_interval) or, for prompt-only methods, every new token."""
+        method, capacities = self.method, []
+        for index, layer in enumerate(row.cache.layers):
             length = layer.longest + extra
             if method.compress_during_decode:
-                keep = int(session.host_n_keep[index].max())
-                capacity = min(length + max_new_tokens, max(keep, length) + method.decode_interval)
+                keep = int(row.host_n_keep[index].max())
+                capacities.append(min(length + max_new_tokens, max(keep, length) + method.decode_interval))
             else:
-                capacity = length + max_new_tokens
+                capacities.append(length + max_new_tokens)
+        return capacities
+
+    def _plan_capacity(self, session: Session, extra: int, max_new_tokens: int) -> None:
+        """Re-allocate every layer once for what comes next (``planned_capacities``)."""
+        for layer, capacity in zip(session.cache.layers, self.planned_capacities(session, max_new_tokens, extra)):
             if capacity != layer.kv.capacity:
                 layer.kv.resize(max(capacity, layer.longest))
             layer.kv.pack_state()
 
     def _batch(self, rows: list[Session]) -> Session:
-        """Copy the rows' caches into one batch storage per layer (capacity: the largest row's plan)."""
-        cache = CompressedCache(self.num_layers)
-        for index, layer in enumerate(cache.layers):
-            parts = [row.cache.layers[index] for row in rows]
-            capacity = max(part.kv.capacity for part in parts)
-            first = parts[0].kv
-            B, H = len(rows), first.lengths.shape[1]
-            kv = LayerKV(
-                keys=first.keys.new_zeros(B, H, capacity, first.keys.shape[-1]),
-                values=first.values.new_zeros(B, H, capacity, first.values.shape[-1]),
-                positions=first.positions.new_full((B, H, capacity), -1),
-                lengths=torch.cat([part.kv.lengths for part in parts]),
-                state={name: s.new_zeros(B, H, capacity) for name, s in first.state.items()},
-                tables={name: self._stacked_table([part.kv.tables[name] for part in parts]) for name in first.tables},
-            )
-            for b, part in enumerate(parts):
-                t = part.kv.capacity
-                kv.keys[b, :, :t] = part.kv.keys[0]
-                kv.values[b, :, :t] = part.kv.values[0]
-                kv.positions[b, :, :t] = part.kv.positions[0]
-                for name, s in part.kv.state.items():
-                    kv.state[name][b, :, :t] = s[0]
-            for part in parts:
-                part.kv = None  # free the rows' copies before the next layer is copied
-            kv.pack_state()
-            layer.adopt(kv, np.concatenate([part.host_lengths for part in parts]))
-            layer.ordered = all(part.ordered for part in parts)
-            layer.fresh = False
-        return Session(
-            self, cache, next_index=torch.cat([row.next_index for row in rows]),
-            layer_n_keep=torch.cat([row.layer_n_keep for row in rows], dim=1),
-            host_n_keep=np.concatenate([row.host_n_keep for row in rows], axis=1),
-            logits=torch.cat([row.logits for row in rows]), decode_steps=0,
-            prefill_lengths=torch.cat([row.prefill_lengths for row in rows], dim=1),
-            kv_bytes_full=[b for row in rows for b in row.kv_bytes_full],
-            kv_bytes_compressed=[b for row in rows for b in row.kv_bytes_compressed],
-        )
-
-    @staticmethod
-    def _stacked_table(rows: list[Tensor]) -> Tensor:
-        """The rows' (1, H, E_row) tables as one batch table, each padded with unused entries (-1) to the largest."""
-        size = max(t.shape[-1] for t in rows)
-        return torch.cat([torch.nn.functional.pad(t, (0, size - t.shape[-1]), value=-1) for t in rows])
+        """The rows in one static storage (``Session.place``), every layer at the largest row's capacity."""
+        capacities = [max(row.cache.layers[index].kv.capacity for row in rows) for index in range(self.num_layers)]
+        session = Session.allocate(rows[0], len(rows), capacities)
+        slots: dict[int, list[int]] = defaultdict(list)
+        unique = {id(row): row for row in rows}
+        for b, row in enumerate(rows):
+            slots[id(row)].append(b)
+        for key, row in unique.items():
+            session.place(slots[key], row, capacities)
+        session._seconds["compress"] = sum(row.compress_seconds for row in unique.values())
+        return session
 
     @staticmethod
     def _token_bytes(cache: CompressedCache) -> int:
@@ -496,17 +576,18 @@ class Engine:
         suffixes: list[list[int]] | None = None,
         min_new_tokens: int = 0,
         stop_when: Callable[[list[int]], bool] | None = None,
+        batch_size: int | str | None = None,
     ) -> list[Generation]:
         """Greedy decoding. ``suffixes`` (e.g. the question in query-agnostic mode) are fed after the prefill
         compression and never compressed at prefill; ``stop_token_ids`` end a row (not included in its output);
-        ``stop_when(tokens)`` ends a row once it returns True for the row's output so far (stop strings)."""
+        ``stop_when(tokens)`` ends a row once it returns True for the row's output so far (stop strings).
+        ``batch_size``: rows decoded together (default: the engine's), see ``kvbench.decode.decode_prompts``."""
+        from kvbench.decode import DecodeRequest, decode_prompts  # it builds on Session and Generation
+
+        request = DecodeRequest(max_new_tokens, frozenset(stop_token_ids), min_new_tokens, stop_when)
         with PeakMemory(self.device) as peak, attach(self.model, self.attn_implementation):
-            _sync(self.device)
-            t0 = time.perf_counter()
-            session = self.prefill(prompts, max_new_tokens, suffixes)
-            _sync(self.device)
-            gens = self.decode(session, [len(p) for p in prompts], time.perf_counter() - t0, max_new_tokens,
-                               stop_token_ids, min_new_tokens, stop_when)
+            gens = decode_prompts(self, prompts, suffixes, request,
+                                  self.batch_size if batch_size is None else batch_size)
         self.record_peak(gens, peak.bytes)
         return gens
 
@@ -515,65 +596,3 @@ class Engine:
         above = peak - self.weight_bytes if self.device.type == "cuda" else peak
         for gen in gens:
             gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak, above
-
-    def decode(self, session: Session, prompt_lengths: list[int], prefill_seconds: float, max_new_tokens: int,
-               stop_token_ids: set[int], min_new_tokens: int = 0,
-               stop_when: Callable[[list[int]], bool] | None = None) -> list[Generation]:
-        """Greedy decoding of a prefilled batch ``session`` (``prefill`` or ``join``); ``prefill_seconds``: the
-        time its prefill took (the batch's, shared out over its rows). Peak memory is left 0 for the caller's
-        measurement (``record_peak``)."""
-        B = len(prompt_lengths)
-        compress_seconds = session.compress_seconds
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        stopped = ["max_new_tokens"] * B
-        stop = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=self.device)
-        kv_read, token_bytes = np.zeros(B), self._token_bytes(session.cache)
-        graph = DecodeGraph(session) if self.cuda_graphs else None
-        t1 = time.perf_counter()
-        steps = 0
-        for step in range(max_new_tokens):
-            logits = session.logits
-            if step < min_new_tokens and stop.numel():  # out of place: the logits are an inference tensor
-                logits = logits.index_fill(1, stop, -float("inf"))
-            next_tokens = logits.argmax(-1)
-            for b, token in enumerate(next_tokens.tolist()):
-                if done[b]:
-                    continue
-                if token in stop_token_ids:
-                    done[b], stopped[b] = True, "eos"
-                else:
-                    outputs[b].append(token)
-                    if stop_when is not None and stop_when(outputs[b]):
-                        done[b], stopped[b] = True, "stop_string"
-            if all(done) or step == max_new_tokens - 1:
-                break
-            kv_read += session.cache.row_bytes() + token_bytes  # what this step's attention reads: cache + new token
-            if graph is None:
-                session.feed(next_tokens.view(B, 1), phase="decode")
-            else:
-                graph.step(next_tokens)
-            steps += 1
-        _sync(self.device)
-        decode_seconds = time.perf_counter() - t1
-        return [
-            Generation(
-                tokens=outputs[b],
-                prompt_length=prompt_lengths[b],
-                kept_per_layer_head=session.prefill_lengths[:, b].tolist(),
-                n_keep=int(round(float(session.host_n_keep[:, b].mean()))),
-                kv_bytes_full=session.kv_bytes_full[b],
-                kv_bytes_compressed=session.kv_bytes_compressed[b],
-                kv_bytes_final=self.row_bytes(session.cache, b),
-                decode_kv_bytes_mean=float(kv_read[b] / steps) if steps else float("nan"),
-                prefill_seconds=prefill_seconds / B,
-                compress_seconds=compress_seconds / B,
-                decode_seconds=decode_seconds / B,
-                decode_compress_seconds=session.decode_compress_seconds / B,
-                tpot_seconds=decode_seconds / max(1, steps),
-                peak_memory_bytes=0,
-                peak_memory_above_weights_bytes=0,
-                stopped_by=stopped[b],
-            )
-            for b in range(B)
-        ]

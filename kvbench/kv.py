@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.slots import evict_lowest, move_last_into, next_slots, select_lowest
@@ -71,6 +72,48 @@ class LayerKV:
         )
         kv.zero_padding()
         return kv
+
+    @classmethod
+    def empty(cls, like: "LayerKV", batch: int, capacity: int) -> "LayerKV":
+        """``batch`` empty rows (length 0) of ``capacity`` slots with ``like``'s heads, dtypes, state names and
+        table sizes, the state packed: the static storage that prefilled rows are placed into (``put_rows``)."""
+        H = like.lengths.shape[1]
+        kv = cls(keys=like.keys.new_zeros(batch, H, capacity, like.keys.shape[-1]),
+                 values=like.values.new_zeros(batch, H, capacity, like.values.shape[-1]),
+                 positions=like.positions.new_full((batch, H, capacity), -1),
+                 lengths=like.lengths.new_zeros(batch, H),
+                 state={name: s.new_zeros(batch, H, capacity) for name, s in like.state.items()},
+                 tables={name: t.new_full((batch, H, t.shape[-1]), -1) for name, t in like.tables.items()})
+        kv.pack_state()
+        return kv
+
+    def take_rows(self, rows: Tensor) -> "LayerKV":
+        """A copy of batch rows ``rows`` (n,) (e.g. the rows a decode step compresses while the others wait)."""
+        return LayerKV(keys=self.keys[rows], values=self.values[rows], positions=self.positions[rows],
+                       lengths=self.lengths[rows], state={name: s[rows] for name, s in self.state.items()},
+                       tables={name: t[rows] for name, t in self.tables.items()})
+
+    def put_rows(self, rows: Tensor, kv: "LayerKV", span: int) -> None:
+        """Write the first ``span`` slots of ``kv``'s rows into rows ``rows`` (n,) of this storage, in place (a
+        captured CUDA graph keeps reading the same tensors), and clear the rest of those rows. ``kv`` holds n
+        rows, or one row copied into all of them; its tables are padded with unused entries to this storage's
+        size. The caller makes room (``span`` <= capacity, tables no larger than these)."""
+        if set(kv.state) != set(self.state) or set(kv.tables) != set(self.tables):
+            raise ValueError(f"a row with state {sorted(kv.state)} and tables {sorted(kv.tables)} cannot join "
+                             f"storage with state {sorted(self.state)} and tables {sorted(self.tables)}")
+        pairs = [(self.keys, kv.keys, 0), (self.values, kv.values, 0), (self.positions, kv.positions, -1)]
+        pairs += [(self.state[name], s, 0) for name, s in kv.state.items()]
+        for mine, theirs, fill in pairs:
+            mine[rows, :, :span] = theirs[:, :, :span].to(mine.dtype)
+            mine[rows, :, span:] = fill
+        self.lengths[rows] = kv.lengths
+        for name, table in kv.tables.items():
+            mine = self.tables[name]
+            mine[rows] = F.pad(table, (0, mine.shape[-1] - table.shape[-1]), value=-1)
+
+    def grow_tables(self, sizes: dict[str, int]) -> None:
+        """Re-allocate the tables at ``sizes`` entries (each >= its current size), padded with unused entries."""
+        self.tables = {name: F.pad(t, (0, sizes[name] - t.shape[-1]), value=-1) for name, t in self.tables.items()}
 
     def zero_padding(self) -> None:
         """Clear padding slots so that stale data can never leak into a later computation."""
@@ -256,6 +299,15 @@ class AttentionStats:
     raw_keys: Tensor | None = None
     query_column_sums: Tensor | None = None
     num_queries: Tensor | None = None
+
+    def take_rows(self, rows: Tensor) -> "AttentionStats":
+        """The statistics of batch rows ``rows`` (n,), as ``LayerKV.take_rows`` takes their slots."""
+        def take(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows.to(t.device)]
+
+        return AttentionStats(column_sums=take(self.column_sums), window_column_sums=take(self.window_column_sums),
+                              step_attention=take(self.step_attention), raw_keys=take(self.raw_keys),
+                              query_column_sums=take(self.query_column_sums), num_queries=take(self.num_queries))
 
     def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
         """Reorder slots by ``order`` (B, H, K) (as LayerKV.gather does) and zero-pad to ``capacity``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import os
 import logging
 import platform
@@ -40,6 +41,8 @@ def result_config(cfg: DictConfig) -> dict:
     out, so a budget sweep runs it once."""
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in RESULT_KEYS}
+    if config["engine"].get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
+        config["engine"]["cuda_graphs"] = torch.device(str(cfg.model.device)).type == "cuda"
     if method_name(cfg) == FULL:
         config["budget"] = None
     return config
@@ -91,7 +94,8 @@ def build_task(cfg: DictConfig) -> Task:
 
 def build_engine(cfg: DictConfig, lm: models.LanguageModel, method: Method, budget: Budget) -> Engine:
     return Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                  prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs)
+                  prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
+                  batch_size=cfg.batch_size)
 
 
 def device_id(device: torch.device) -> str:
@@ -196,10 +200,15 @@ def _execute(point: Point) -> Path:
     t0 = time.perf_counter()
     with progress_bar() as progress:
         bar = progress.add_task(store.run_label(point.labels), total=len(samples))
-        for start in range(0, len(samples), cfg.batch_size):
-            batch = samples[start : start + cfg.batch_size]
+        # a task that runs a batch in lockstep gets batch_size samples at a time; the others get them all and
+        # decode them through the engine's continuous batching, the bar following each finished generation
+        chunk = cfg.batch_size if task.lockstep_batches else len(samples)
+        finished = itertools.count(1)
+        engine.on_generation = lambda: progress.update(bar, completed=min(len(samples), next(finished)))
+        for start in range(0, len(samples), chunk):
+            batch = samples[start : start + chunk]
             rows.extend(task.predict(batch, lm, engine))
-            progress.advance(bar, len(batch))
+            progress.update(bar, completed=start + len(batch))
     return publish(point, task, rows, time.perf_counter() - t0, len(samples), engine.device)
 
 
@@ -305,6 +314,7 @@ SUMMARY_COLUMNS = {
     "peak_memory_bytes": ("peak_memory_bytes", "max"),
     "peak_memory_above_weights_bytes": ("peak_memory_above_weights_bytes", "max"),
     "decode_kv_bytes_mean": ("decode_kv_bytes_mean", "mean"),
+    "batch_size_realized": ("decode_batch_size", "max"),  # batch_size=auto: the slots it chose
 }
 
 

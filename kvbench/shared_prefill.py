@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,25 +27,15 @@ from kvbench.engine import DeviceTimer, Engine, Session, _sync
 from kvbench.kv import AttentionStats, LayerKV
 
 
-@dataclass
-class PrefilledRow:
-    """One point's share of a shared prompt pass.
-
-    session: the point's single-row session, the unit ``Engine.prefill`` joins into a batch (None on error).
-    seconds: its time to first token: the whole shared pass, plus its own compression and suffix.
-    error:   what the point's compression or suffix raised, if it did."""
-
-    session: Session | None
-    seconds: float
-    error: Exception | None = None
-
-
-def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int, suffix: list[int],
-                   timers: list[DeviceTimer]) -> list[PrefilledRow]:
-    """Prefill ``prompt`` once for every engine (one per point; ``timers`` one per point: its compression is
-    timed there); each point's ``suffix`` is fed on its own compressed row. Returns one row per engine."""
+def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int,
+                   suffix: list[int]) -> list[Session | Exception]:
+    """Prefill ``prompt`` once for every engine (one per point); each point's ``suffix`` is fed on its own
+    compressed row. Returns per engine its prefilled one-row session (the unit ``Engine.prefill_row`` returns),
+    whose ``prefill_seconds`` are the whole shared pass plus its own compression and suffix, or the error its
+    compression or suffix raised."""
     lead, n = engines[0], len(prompt)
     L, device = lead.num_layers, lead.device
+    timers = [DeviceTimer(device) for _ in engines]
     sessions = [engine.new_row(n, timer) for engine, timer in zip(engines, timers)]
     n_keeps = [engine.budget.n_keep(torch.tensor([n]), max_new_tokens, engine.method.budget_basis)
                for engine in engines]
@@ -82,12 +71,11 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
     index = torch.arange(n, device=device).view(1, -1)
     plan = PassPlan(query_positions=index, num_queries=torch.tensor([n], device=device), stat_sets=stat_sets,
                     after_layer=compress_layer)
-    before = [timer.total("compress") for timer in timers]
     _sync(device)
     t0 = time.perf_counter()
     logits = lead._forward(torch.tensor([prompt], device=device), index, index, cache, plan, logits_to_keep=1)
     _sync(device)
-    in_pass = [timer.total("compress") - b for timer, b in zip(timers, before)]
+    in_pass = [timer.total("compress") for timer in timers]  # each point's compression inside the pass
     shared_seconds = time.perf_counter() - t0 - sum(in_pass)
     rows = []
     for i, (engine, session) in enumerate(zip(engines, sessions)):
@@ -99,10 +87,11 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
                 engine.compress_after_pass(session, n_keeps[i], kept_stats[i], max_new_tokens, own=shared.private)
             engine.finish_row(session, n, logits, suffix, max_new_tokens)
         except Exception as err:  # noqa: BLE001 - as above
-            rows.append(PrefilledRow(None, 0.0, err))
+            rows.append(err)
             continue
         _sync(device)
-        rows.append(PrefilledRow(session, shared_seconds + in_pass[i] + time.perf_counter() - t1))
+        session.prefill_seconds = shared_seconds + in_pass[i] + time.perf_counter() - t1
+        rows.append(session)
     return rows
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -32,7 +34,8 @@ from omegaconf import DictConfig
 
 from kvbench import models, store
 from kvbench.attention import attach
-from kvbench.engine import DeviceTimer, Engine, Generation, _sync
+from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest
+from kvbench.engine import Engine, Generation, _sync
 from kvbench.memory import PeakMemory
 from kvbench.runner import (FULL, Point, build_engine, build_method, build_task, execute, load_samples,
                             mark_failed, open_point, prepare, progress_bar, publish, result_config)
@@ -157,30 +160,26 @@ def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     memory = memory_budget(device, memory_gb)
-    rows: dict[str, list[dict]] = {point.rid: [] for point in points}
+    live = [point for point in points if point.rid not in failures]
+    if not live:
+        return
     t0 = time.perf_counter()
     with progress_bar() as progress, attach(lm.model, cfg.model.attn_implementation):
-        bar = progress.add_task(f"{len(points)} fused points: {store.run_label(points[0].labels)}", total=len(samples))
-        for start in range(0, len(samples), cfg.batch_size):
-            batch = samples[start : start + cfg.batch_size]
-            prompts = [task.build_prompt(sample, lm) for sample in batch]
-            calls = generation_calls(prompts, lm)
-            live = [point for point in points if point.rid not in failures]
-            if not live:
-                break
-            generations = [fused_generate([engines[p.rid] for p in live], call, memory) for call in calls]
-            for j, point in enumerate(live):  # generations: [call][point] -> Generations, or the point's error
-                error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
-                if error is not None:
-                    _fail(point, error, failures)
-                    continue
-                rows[point.rid].extend(task.result_rows(batch, prompts, calls, [g[j] for g in generations], lm))
-            progress.advance(bar, len(batch))
+        bar = progress.add_task(f"{len(live)} fused points: {store.run_label(live[0].labels)}",
+                                total=len(samples) * len(live))
+        prompts = [task.build_prompt(sample, lm) for sample in samples]
+        calls = generation_calls(prompts, lm)
+        generations = [fused_generate([engines[p.rid] for p in live], call, cfg.batch_size, memory,
+                                      lambda: progress.advance(bar)) for call in calls]  # [call][point]
     wall = time.perf_counter() - t0
     group = [point.rid for point in points]
-    for point in points:
-        if point.rid not in failures:
-            published[point.rid] = publish(point, task, rows[point.rid], wall, len(samples), device, group)
+    for j, point in enumerate(live):  # a point's generations, or its error
+        error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
+        if error is not None:
+            _fail(point, error, failures)
+            continue
+        rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
+        published[point.rid] = publish(point, task, rows, wall, len(samples), device, group)
 
 
 def _fail(point: Point, err: Exception, failures: dict[str, Exception]) -> None:
@@ -197,14 +196,18 @@ def memory_budget(device: torch.device, memory_gb: float | None) -> int:
     return int(AUTO_MEMORY_SHARE * free)
 
 
-def fused_generate(engines: list[Engine], call: GenerationCall, memory: int) -> list[list[Generation] | Exception]:
-    """``call`` for every engine (one per point): each prompt prefilled once for a chunk of points that fits
-    ``memory`` bytes, then each point's rows decoded as one batch. Returns the ``Generation``s per engine, or
-    the error of an engine that failed."""
+def fused_generate(engines: list[Engine], call: GenerationCall, batch_size: int | str, memory: int,
+                   finished: Callable[[], None]) -> list[list[Generation] | Exception]:
+    """``call`` for every engine (one per point): the points in chunks whose rows fit ``memory`` bytes, each
+    chunk decoding through one ``DecodeBatch``. Returns per engine its ``Generation``s (the call's order), or the
+    error of an engine that failed; ``finished`` is called as each row finishes."""
     generations: list = [None] * len(engines)
+    sizes = [_row_bytes(engine, call) for engine in engines]
     with PeakMemory(engines[0].device) as peak:
-        for chunk in _chunks([_rows_bytes(engine, call) for engine in engines], memory):
-            for index, gens in zip(chunk, _generate_together([engines[i] for i in chunk], call)):
+        for chunk in _chunks(sizes, memory):
+            slots = _slots(batch_size, len(set(map(tuple, call.contexts))), sum(sizes[i] for i in chunk), memory,
+                           engines[0].device)
+            for index, gens in zip(chunk, _decode_together([engines[i] for i in chunk], call, slots, finished)):
                 generations[index] = gens
     for engine, gens in zip(engines, generations):
         if not isinstance(gens, Exception):
@@ -224,59 +227,65 @@ def _chunks(sizes: list[int], memory: int) -> list[list[int]]:
     return chunks
 
 
-def _rows_bytes(engine: Engine, call: GenerationCall) -> int:
-    """Estimated bytes of one point's prefilled rows of ``call``: each prompt's budget (the whole prompt for the
-    full cache), its suffix and the tokens it may generate, at the model's K+V bytes per token."""
+def _slots(batch_size: int | str, rows: int, slot_bytes: int, memory: int, device: torch.device) -> int:
+    """Rows each point decodes at once: ``batch_size`` (``auto``: as a run alone picks on a CPU, else what
+    ``memory`` holds), never more than ``memory`` holds at ``slot_bytes`` for a slot of every point."""
+    fits = max(1, memory // slot_bytes)
+    wanted = CPU_AUTO_BATCH if batch_size == "auto" and device.type != "cuda" else (
+        fits if batch_size == "auto" else batch_size)
+    return max(1, min(wanted, fits, rows))
+
+
+def _row_bytes(engine: Engine, call: GenerationCall) -> int:
+    """Estimated bytes of one of the point's rows of ``call`` (its longest prompt): the budget (the whole prompt
+    for the full cache), the suffix and the tokens it may generate, at the model's K+V bytes per token."""
     config = engine.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * engine.model.dtype.itemsize
-    total = 0
+    largest = 0
     for b, context in enumerate(call.contexts):
         n = len(context)
         keep = n if engine.method.name == FULL else min(n, int(engine.budget.n_keep(
             torch.tensor([n]), call.max_new_tokens, engine.method.budget_basis)[0]))
         suffix = 0 if call.suffixes is None else len(call.suffixes[b])
-        total += (keep + suffix + call.max_new_tokens) * token_bytes
-    return total
+        largest = max(largest, keep + suffix + call.max_new_tokens)
+    return largest * token_bytes
 
 
-def _generate_together(engines: list[Engine], call: GenerationCall) -> list[list[Generation] | Exception]:
-    """Every prompt of ``call`` prefilled once for all ``engines`` (a prompt repeated in the call once), then
-    each engine's rows decoded as one batch, as ``Engine.generate`` decodes them alone; an engine that failed
-    gets its error."""
+def _decode_together(engines: list[Engine], call: GenerationCall, slots: int,
+                     finished: Callable[[], None]) -> list[list[Generation] | Exception]:
+    """Every distinct prompt of ``call`` prefilled once for all ``engines``, longest first, its rows admitted to
+    one ``DecodeBatch`` of the engines (``slots`` rows each; every step one forward pass for all of them) while
+    every point has a free slot, as ``decode_prompts`` admits one point's. An engine that failed gets its error."""
     device = engines[0].device
-    timers = [DeviceTimer(device) for _ in engines]
-    rows: list[list | None] = [[] for _ in engines]
-    seconds = [0.0] * len(engines)
-    errors: list[Exception | None] = [None] * len(engines)
-    prefilled = {}
+    request = DecodeRequest(call.max_new_tokens, frozenset(call.stop_token_ids), call.min_new_tokens, call.stop_when)
+    groups: dict[tuple, list[int]] = {}
     for b, context in enumerate(call.contexts):
-        suffix = [] if call.suffixes is None else call.suffixes[b]
-        key = (tuple(context), tuple(suffix))
-        live = [i for i, error in enumerate(errors) if error is None]
-        if key not in prefilled and live:
-            prefilled[key] = dict(zip(live, prefill_points([engines[i] for i in live], context,
-                                                           call.max_new_tokens, suffix, [timers[i] for i in live])))
-            for i, row in prefilled[key].items():
-                seconds[i] += row.seconds
-                errors[i] = errors[i] or row.error
-        for i, row in prefilled.get(key, {}).items():
-            rows[i].append(row.session)
-    prefilled.clear()
-    lengths = [len(context) for context in call.contexts]
-    generations = []
-    for i, engine in enumerate(engines):
-        if errors[i] is not None:
-            generations.append(errors[i])
-            continue
-        try:
-            t0 = time.perf_counter()
-            session = engine.join(rows[i], timers[i])
-            rows[i] = None  # the batch session holds this point's rows now
-            _sync(device)
-            generations.append(engine.decode(session, lengths, seconds[i] + time.perf_counter() - t0,
-                                             call.max_new_tokens, call.stop_token_ids, call.min_new_tokens,
-                                             call.stop_when))
-        except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
-            generations.append(err)
-    return generations
+        groups.setdefault((tuple(context), tuple([] if call.suffixes is None else call.suffixes[b])), []).append(b)
+    pending = deque(sorted(groups.items(), key=lambda item: -(len(item[0][0]) + len(item[0][1]))))
+    results: list = [[None] * len(call.contexts) for _ in engines]
+    errors: list[Exception | None] = [None] * len(engines)
+    batch = DecodeBatch(engines, slots)
+    try:
+        while pending or batch.busy:
+            live = [p for p, error in enumerate(errors) if error is None]
+            if pending and live and all(batch.vacancies(p) > 0 for p in live):
+                (prompt, suffix), copies = pending.popleft()
+                rows = prefill_points([engines[p] for p in live], list(prompt), call.max_new_tokens, list(suffix))
+                for p, row in zip(live, rows):
+                    if isinstance(row, Exception):
+                        errors[p] = row
+                        continue
+                    row.copies = len(copies)
+                    for b in copies:
+                        batch.admit(p, row, request, tag=b)
+                continue  # fill every free slot before the next step
+            if not batch.busy:
+                break
+            for done in batch.step():
+                results[done.point][done.tag] = done.generation
+                finished()
+    finally:
+        batch.close()
+        _sync(device)
+    return [error if error is not None else gens for error, gens in zip(errors, results)]

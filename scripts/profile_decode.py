@@ -45,15 +45,22 @@ def setup(parser: argparse.ArgumentParser, steps: int, top: int):
     return args, model_cfg, lm, prompt
 
 
-def steps(session, runner, count: int) -> float:
+def stepper(session, graphs: bool):
+    """A function running one greedy decode step of ``session`` (replayed as a CUDA graph with ``graphs``)."""
+    token = session.logits.argmax(-1, keepdim=True)
+
+    def body(static_shapes: bool) -> None:
+        session.feed(token, "decode", static_shapes)
+        token.copy_(session.logits.argmax(-1, keepdim=True))
+
+    return DecodeGraph([session], body).step if graphs else lambda: body(False)
+
+
+def steps(step, count: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(count):
-        token = session.logits.argmax(-1)
-        if runner is None:
-            session.feed(token.view(-1, 1))
-        else:
-            runner.step(token)
+        step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / count
 
@@ -78,14 +85,14 @@ def main() -> None:
         for graphs in (False, True):
             engine = Engine(lm.model, method, Budget("fraction", args.budget), cuda_graphs=graphs)
             session = engine.prefill([prompt], max_new_tokens=4 * args.steps + 8)
-            runner = DecodeGraph(session) if graphs else None
-            steps(session, runner, args.steps)  # warm-up: compile, capture
-            seconds = steps(session, runner, args.steps)
+            step = stepper(session, graphs)
+            steps(step, args.steps)  # warm-up: compile, capture
+            seconds = steps(step, args.steps)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                steps(session, runner, args.steps)
+                steps(step, args.steps)
             print(f"== {name} {'graphs' if graphs else 'eager'}: {seconds * 1e3:.2f} ms per step")
             print("\n".join(kernel_table(prof, args.steps, args.top)), flush=True)
-            del session, runner
+            del session, step
             torch.cuda.empty_cache()
 
 

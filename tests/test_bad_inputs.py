@@ -25,7 +25,9 @@ FIXTURE = REPO / "kvbench" / "data" / "longbench" / "sample" / "trec.jsonl"
 CASES = [
     # top-level keys
     (["seed=abc"], "seed='abc' must be an integer", 2),
-    (["batch_size=0"], "batch_size=0 must be >= 1", 2),
+    (["batch_size=0"], "batch_size=0; accepted: an integer >= 1 or auto", 2),
+    (["batch_size=many"], "batch_size='many'; accepted: an integer >= 1 or auto", 2),
+    (["engine.cuda_graphs=sometimes"], "engine.cuda_graphs='sometimes'; accepted: true, false, auto", 2),
     (["limit=-1"], "limit=-1 must be a positive number of samples, or null", 2),
     (["limit=0"], "limit=0 must be a positive number of samples", 2),
     (["limit=abc"], "limit='abc' must be an integer or null", 2),
@@ -104,11 +106,11 @@ def call(args: list[str], monkeypatch) -> tuple[int, list[str]]:
     return code, err.getvalue().splitlines()
 
 
-def test_the_table_has_43_cases_and_covers_every_group_and_top_level_key():
-    assert len(CASES) == 43
+def test_the_table_has_45_cases_and_covers_every_group_and_top_level_key():
+    assert len(CASES) == 45
     keys = {a.lstrip("+~").partition("=")[0].split(".")[0] for args, _, _ in CASES for a in args if "=" in a}
     assert {"model", "method", "budget", "task", "logger", "kernels", "hydra/launcher", "experiment"} <= keys
-    assert {"seed", "batch_size", "limit", "position_mode", "skip_finished", "results_root"} <= keys
+    assert {"seed", "batch_size", "limit", "position_mode", "skip_finished", "results_root", "engine"} <= keys
 
 
 @pytest.mark.parametrize(("args", "fragment", "status"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])

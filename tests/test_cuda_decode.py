@@ -1,6 +1,6 @@
 """Decoding on a GPU: CUDA graphs replay what eager steps compute, and a steady step never synchronises.
 
-Skipped without CUDA (CI has none); the GPU runs (``scripts/gpu_bench.py``) run it on every method.
+Skipped without CUDA (CI has none); the GPU runs (``scripts/gpu_session.sh``) run it on every method.
 """
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from kvbench.budget import Budget
+from kvbench.decode import DecodeBatch
 from kvbench.engine import Engine
 from kvbench.graphs import DecodeGraph
 from tests.conftest import tiny_model_config
+from tests.test_decode_batch import LENGTHS, requests_for, run
 from tests.test_decode_paths import CASES, build, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,17 +29,21 @@ def cuda_model():
 def decode(engine: Engine, prompts, steps: int, tokens: list | None = None, graphs: bool = False):
     """Logits of every step; feeds ``tokens`` when given (teacher forcing), else the argmax."""
     session = engine.prefill(prompts, max_new_tokens=steps + 1)
-    runner = DecodeGraph(session) if graphs else None
-    logits, fed = [], []
+    fed = torch.zeros(len(prompts), 1, dtype=torch.long, device=engine.device)
+    runner = DecodeGraph([session], lambda static: session.feed(fed, "decode", static)) if graphs else None
+    logits, chosen = [], []
     for i in range(steps):
+        if runner is not None:
+            runner.flush()  # the session's logits are the last replay's
         logits.append(session.logits.float().clone())
         token = session.logits.argmax(-1) if tokens is None else tokens[i]
-        fed.append(token)
+        chosen.append(token)
+        fed.copy_(token.view(-1, 1))
         if runner is None:
-            session.feed(token.view(-1, 1))
+            session.feed(fed)
         else:
-            runner.step(token)
-    return logits, fed, runner
+            runner.step()
+    return logits, chosen, runner
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -52,6 +58,22 @@ def test_cuda_graph_steps_compute_what_eager_steps_compute(cuda_model, name):
     # a step repeats (and replays) unless the method compresses through ``compress`` at every step
     repeats = method.evicts_in_place or not method.compress_during_decode or method.decode_interval > 1
     assert (runner.replays > 0) == repeats
+
+
+def test_a_batch_of_every_point_decodes_the_same_tokens_replayed_and_eager(cuda_model):
+    """Continuous batching of every method as points of one graph-replayed step: the tokens of the eager step
+    (float32 tiny model: the same kernels, so the same argmax)."""
+    prompts = random_prompts(LENGTHS, cuda_model.config.vocab_size)
+    outputs = {}
+    for graphs in (False, True):
+        engines = [Engine(cuda_model, build(name), Budget("tokens", 12), cuda_graphs=graphs) for name in CASES]
+        rows = [(point, engine.prefill_row(prompt, request.max_new_tokens), request)
+                for point, engine in enumerate(engines)
+                for prompt, (request, _) in zip(prompts, requests_for(engine, prompts))]
+        batch = DecodeBatch(engines, slots=2)
+        outputs[graphs] = {tag: g.tokens for tag, g in run(batch, rows).items()}
+    assert outputs[True] == outputs[False]
+    assert batch.replays > 0
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -71,3 +93,24 @@ def test_steady_decode_step_does_not_synchronise(cuda_model, name):
             session.feed(tokens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_steady_batch_launch_does_not_synchronise(cuda_model, graphs):
+    """A DecodeBatch step's launch (the step, its tokens' copy to pinned memory, the event): no synchronisation;
+    only reading the previous step's tokens waits, for that step alone."""
+    engine = Engine(cuda_model, build("h2o"), Budget("tokens", 12), cuda_graphs=graphs)
+    rows = [(0, engine.prefill_row(p, 24), requests_for(engine, [p])[0][0])
+            for p in random_prompts([45, 30], cuda_model.config.vocab_size)]
+    batch = DecodeBatch([engine], slots=2)
+    for tag, (point, row, request) in enumerate(rows):
+        batch.admit(point, row, request, tag)
+    for _ in range(4):  # admission, warm-up, capture
+        batch.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            batch._launch()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    batch.close()

@@ -128,9 +128,9 @@ def test_a_suffix_mode_fused_gives_what_it_gives_alone(tmp_path):
 
 def test_a_small_memory_budget_splits_the_points_into_passes_with_the_same_results(tmp_path, monkeypatch):
     calls = []
-    real = sweep._generate_together
-    monkeypatch.setattr(sweep, "_generate_together", lambda engines, call: calls.append(len(engines)) or
-                        real(engines, call))
+    real = sweep._decode_together
+    monkeypatch.setattr(sweep, "_decode_together", lambda engines, *args: calls.append(len(engines)) or
+                        real(engines, *args))
     cfgs = [point(tmp_path, f"method={m}") for m in ("full", "h2o", "tova")]
     assert [s for s, _ in sweep.run_group([(cfg, None) for cfg in cfgs], memory_gb=1e-9)] == ["done"] * 3
     assert calls and set(calls) == {1}  # every chunk holds one point

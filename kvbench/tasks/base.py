@@ -107,6 +107,9 @@ class Task:
 
     name: ClassVar[str] = "base"
     shares_prompt_pass: ClassVar[bool] = True
+    # True: ``predict`` runs its samples as one batch in lockstep, so the runner hands it ``batch_size`` samples
+    # at a time (and batch_size=auto is refused); False: every sample at once, the engine batching them.
+    lockstep_batches: ClassVar[bool] = False
 
     def samples(self) -> list[Sample]:
         raise NotImplementedError
@@ -221,4 +224,5 @@ def generation_measurements(gen) -> dict:
         "peak_memory_bytes": gen.peak_memory_bytes,
         "peak_memory_above_weights_bytes": gen.peak_memory_above_weights_bytes,
         "stopped_by": gen.stopped_by,
+        "decode_batch_size": gen.batch_size,
     }

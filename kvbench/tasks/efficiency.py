@@ -163,7 +163,8 @@ class Efficiency(Task):
     def _time_engine(self, engine: Engine, batch: list[list[int]], detail: bool) -> dict:
         """Timings and bound of one engine call; ``detail`` adds the realized budget (the method's rows only, so
         that run-level budget columns describe the configured method, not the full-cache reference)."""
-        gens = engine.generate(batch, self.new_tokens, stop_token_ids=set(), min_new_tokens=self.new_tokens)
+        gens = engine.generate(batch, self.new_tokens, stop_token_ids=set(), min_new_tokens=self.new_tokens,
+                               batch_size=len(batch))  # the cell's batch, whatever the run's batch_size
         gen = gens[0]
         total = gen.prefill_seconds * len(batch) + gen.decode_seconds * len(batch)
         kept = [n for layer in gen.kept_per_layer_head for n in layer]

@@ -1,0 +1,223 @@
+"""Continuous batching (``kvbench.decode``): every row decodes exactly as it does alone at batch 1, whatever joins
+or leaves the batch around it, for every shipped method, one point or several in one forward pass."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.decode import DecodeBatch, DecodeRequest, auto_batch_size
+from kvbench.engine import Engine
+from kvbench.kernels.dispatch import use_backend
+from tests.test_decode_paths import CASES, HostReads, build, random_prompts
+
+LENGTHS = [40, 9, 25, 33]  # very different lengths; 9 is under the budget: that row grows to it while decoding
+
+
+def alone(engine: Engine, prompt: list[int], request: DecodeRequest):
+    return engine.generate([prompt], request.max_new_tokens, set(request.stop_token_ids),
+                           min_new_tokens=request.min_new_tokens, stop_when=request.stop_when)[0]
+
+
+def requests_for(engine: Engine, prompts: list[list[int]]) -> list[tuple[DecodeRequest, list[int]]]:
+    """One request per row, each ending another way, and the tokens the row gives alone with it (greedy decoding
+    alone is prefix-stable, so they are the row's 8 tokens alone cut where the request stops): max_new_tokens
+    (8, then 3), EOS (a token the row emits alone), a stop string (the same, seen by ``stop_when``)."""
+    plain = [alone(engine, p, DecodeRequest(8)).tokens for p in prompts]
+    eos, last = plain[2][2], plain[3][3]
+    return [(DecodeRequest(8), plain[0]), (DecodeRequest(3), plain[1][:3]),
+            (DecodeRequest(8, frozenset({eos})), plain[2][:plain[2].index(eos)]),
+            (DecodeRequest(8, stop_when=lambda tokens: tokens[-1] == last), plain[3][:plain[3].index(last) + 1])]
+
+
+def run(batch: DecodeBatch, rows: list[tuple[int, object, DecodeRequest]]) -> dict:
+    """Admit every (point, row, request) as slots free up, step until done; the generations by admission order."""
+    waiting, done = list(enumerate(rows)), {}
+    while waiting or batch.busy:
+        for tag, (point, row, request) in list(waiting):
+            if batch.vacancies(point) > 0:
+                batch.admit(point, row, request, tag=tag)
+                waiting.remove((tag, (point, row, request)))
+        for finished in batch.step():
+            done[finished.tag] = finished.generation
+    batch.close()
+    return done
+
+
+def test_every_method_decodes_its_rows_as_alone_in_one_batch_of_all_points(tiny_model):
+    """All methods as points of one batch, two slots each, more rows than slots, rows of very different lengths
+    ending in every way: each row's tokens are its own alone."""
+    prompts = random_prompts(LENGTHS, tiny_model.config.vocab_size)
+    with use_backend("torch"):
+        engines = [Engine(tiny_model, build(name), Budget("tokens", 12)) for name in CASES]
+        rows, expected = [], []
+        for point, engine in enumerate(engines):
+            for prompt, (request, tokens) in zip(prompts, requests_for(engine, prompts)):
+                rows.append((point, engine.prefill_row(prompt, request.max_new_tokens), request))
+                expected.append(tokens)
+        got = run(DecodeBatch(engines, slots=2, lag=1), rows)
+    for tag, tokens in enumerate(expected):
+        assert got[tag].tokens == tokens, f"{list(CASES)[rows[tag][0]]} row {tag % len(prompts)}"
+    assert {g.stopped_by for g in got.values()} == {"max_new_tokens", "eos", "stop_string"}
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea", "ems", "d2o"])
+@pytest.mark.parametrize("lag", [0, 1])
+def test_one_point_with_fewer_slots_than_rows_equals_rows_alone(tiny_model, name, lag):
+    """Tokens, stop reasons and realized cache sizes as alone; one row's EOS is masked before min_new_tokens."""
+    engine = Engine(tiny_model, build(name), Budget("tokens", 12))
+    prompts = random_prompts(LENGTHS + [17], tiny_model.config.vocab_size, seed=3)
+    with use_backend("torch"):
+        first = alone(engine, prompts[4], DecodeRequest(9)).tokens
+        requests = [request for request, _ in requests_for(engine, prompts[:4])]
+        requests.append(DecodeRequest(9, frozenset(first[:2]), min_new_tokens=3))
+        got = run(DecodeBatch([engine], slots=2, lag=lag),
+                  [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
+        want = [alone(engine, p, r) for p, r in zip(prompts, requests)]
+    for tag, row in enumerate(want):
+        assert got[tag].tokens == row.tokens
+        assert got[tag].stopped_by == row.stopped_by
+        assert got[tag].kv_bytes_final == row.kv_bytes_final
+        assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean, nan_ok=True)
+    assert all(g.tpot_seconds > 0 and g.decode_seconds > 0 and g.batch_size == 2 for g in got.values())
+
+
+def test_generate_decodes_more_prompts_than_its_batch_size(tiny_model):
+    engine = Engine(tiny_model, build("tova"), Budget("fraction", 0.3), batch_size=2)
+    prompts = random_prompts(LENGTHS + [17], tiny_model.config.vocab_size, seed=4)
+    together = engine.generate(prompts, 7, stop_token_ids=set())
+    for prompt, got in zip(prompts, together):
+        assert got.tokens == engine.generate([prompt], 7, stop_token_ids=set())[0].tokens
+        assert got.prompt_length == len(prompt) and got.batch_size == 2
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_steady_batch_step_never_waits_for_the_device(tiny_model, name):
+    """Once its rows are steady, a step (launch and the reading of its tokens) reads nothing back from the
+    device (the GPU run checks the same with torch.cuda.set_sync_debug_mode)."""
+    method = build(name)
+    engine = Engine(tiny_model, method, Budget("tokens", 12))
+    prompts = random_prompts([45, 30], tiny_model.config.vocab_size)
+    with use_backend("torch"):
+        batch = DecodeBatch([engine], slots=2, lag=1)
+        for tag, prompt in enumerate(prompts):
+            batch.admit(0, engine.prefill_row(prompt, 12), DecodeRequest(12), tag)
+        batch.step()  # places the rows and leaves the prefill state: every row decodes at its budget
+        session = batch.points[0].session
+        for _ in range(3):
+            due = method.compress_during_decode and session.due_rows(ahead=1).any()
+            with HostReads() as reads:
+                batch.step()
+            if not due or engine.in_place_eviction(1):
+                assert reads.seen == [], f"{name}: a decode step read the device: {reads.seen}"
+        batch.close()
+
+
+def test_a_repeated_row_fills_every_slot_from_one_prefill(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12))
+    prompt = random_prompts([30], tiny_model.config.vocab_size)[0]
+    calls = []
+    prefill_row = engine._prefill_row
+    monkeypatch.setattr(engine, "_prefill_row", lambda *a: calls.append(1) or prefill_row(*a))
+    gens = engine.generate([prompt] * 3, 6, stop_token_ids=set(), batch_size=2)
+    assert calls == [1]
+    assert len({tuple(g.tokens) for g in gens}) == 1
+    assert gens[0].prefill_seconds == pytest.approx(gens[2].prefill_seconds)
+
+
+def test_auto_batch_size_on_a_cpu_is_capped(tiny_model):
+    engine = Engine(tiny_model, build("snapkv"), Budget("tokens", 12), batch_size="auto")
+    prompts = random_prompts([20] * 10, tiny_model.config.vocab_size, seed=5)
+    row = engine.prefill_row(prompts[0], 4)
+    assert auto_batch_size(engine, row, DecodeRequest(4), rows=10) == 8
+    assert auto_batch_size(engine, row, DecodeRequest(4), rows=3) == 3
+    assert {g.batch_size for g in engine.generate(prompts, 3, stop_token_ids=set())} == {8}
+
+
+def test_rows_of_a_point_must_come_from_its_engine(tiny_model):
+    first, second = (Engine(tiny_model, build(n), Budget("tokens", 12)) for n in ("full", "h2o"))
+    batch = DecodeBatch([first, second], slots=1)
+    row = second.prefill_row(random_prompts([20], tiny_model.config.vocab_size)[0], 4)
+    with pytest.raises(ValueError, match="point 0"):
+        batch.admit(0, row, DecodeRequest(4))
+
+
+def test_bad_batch_sizes_are_rejected_with_the_value(tiny_model):
+    from kvbench.errors import ConfigError
+
+    for bad in (0, "big", 2.5):
+        with pytest.raises(ConfigError, match=f"batch_size={bad!r}; accepted: an integer >= 1 or auto"):
+            Engine(tiny_model, build("full"), Budget("fraction", 1.0), batch_size=bad)
+
+
+def test_cuda_graphs_auto_is_off_on_a_cpu(tiny_model):
+    assert Engine(tiny_model, build("full"), Budget("fraction", 1.0)).cuda_graphs is False
+
+
+class ReplayedOnTheHost:
+    """A stand-in for ``torch.cuda.CUDAGraph`` on a CPU: capturing runs the step (host and device work, as a
+    capture's host side plus the replay that follows it); a later replay runs the same step's device work
+    again and puts the host side back as it was, as a real replay leaves it (``DecodeGraph.flush`` applies it)."""
+
+    def __init__(self) -> None:
+        self.fresh = True
+        self.step: tuple = ()  # the runner's sessions and step, set when the capture ends
+
+    def replay(self) -> None:
+        if self.fresh:  # the replay right after the capture: the capture already did the work
+            self.fresh = False
+            return
+        sessions, body = self.step
+        saved = [([(l.host_lengths.copy(), l.longest, l.aligned, l.ordered) for l in s.cache.layers],
+                  s.decode_steps, s.row_steps.copy(), s.logits) for s in sessions]
+        body(True)
+        for s, (layers, steps, row_steps, logits) in zip(sessions, saved):
+            for layer, (lengths, longest, aligned, ordered) in zip(s.cache.layers, layers):
+                layer.host_lengths, layer.longest, layer.aligned, layer.ordered = lengths, longest, aligned, ordered
+            s.decode_steps, s.row_steps, s.logits = steps, row_steps, logits
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea_interval4"])
+def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, name, monkeypatch):
+    """The graph runner's bookkeeping on a CPU (captures replayed on the host): decisions, steps known safe, the
+    host side applied lazily, bytes read per step; every row as alone, and steps replayed."""
+    import contextlib
+
+    from kvbench import graphs
+    from tests.golden.record import CASES as GOLDEN_CASES, build_method
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayedOnTheHost)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(graphs, "WARMED", set())
+
+    @contextlib.contextmanager
+    def capture(graph):
+        yield
+        graph.step = (runner_of[0].sessions, runner_of[0].body)
+
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    method = build_method(*GOLDEN_CASES[name]) if name in GOLDEN_CASES else build(name)
+    engine = Engine(tiny_model, method, Budget("tokens", 12))
+    prompts = random_prompts(LENGTHS + [17, 50], tiny_model.config.vocab_size, seed=9)
+    runner_of = []
+    with use_backend("torch"):
+        batch = DecodeBatch([engine], slots=3, lag=1)
+        batch.graphs = True
+        build_runner = batch._build_runner
+
+        def keep_runner():
+            build_runner()
+            runner_of[:] = [batch.runner]
+
+        batch._build_runner = keep_runner
+        requests = [DecodeRequest(n) for n in (14, 5, 9, 14, 7, 11)]
+        got = run(batch, [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
+        want = [alone(engine, p, r) for p, r in zip(prompts, requests)]
+    for tag, row in enumerate(want):
+        assert got[tag].tokens == row.tokens, f"row {tag}"
+        assert got[tag].kv_bytes_final == row.kv_bytes_final
+        assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean)
+    # rows that joined at different times compress at different steps (intervals count per row): those run eagerly
+    assert batch.replays > (0 if method.decode_interval > 1 else batch.launched / 3)
