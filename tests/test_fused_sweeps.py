@@ -93,14 +93,14 @@ def fused_and_alone(tmp_path, points: list[list[str]]):
     return alone, [store.run_dir(tmp_path / "fused", rid) for rid in (run_dir.name for run_dir in alone)]
 
 
-def assert_same_run(alone, fused, group_size: int):
-    """Everything but timings equal; run ids equal (the run dirs share their name)."""
+def assert_same_run(alone, fused, group_size: int, other: set[str] = frozenset()):
+    """Everything but timings (and ``other`` columns) equal; run ids equal (the run dirs share their name)."""
     assert alone.name == fused.name
     for name, timing in (("predictions", TIMING_PREDICTIONS), ("metrics", TIMING_METRICS)):
         a, f = (pd.read_parquet(d / f"{name}.parquet") for d in (alone, fused))
         assert list(a.columns) == list(f.columns)
         assert (f["fused_group_size"] == group_size).all() and (a["fused_group_size"] == 1).all()
-        columns = [c for c in a.columns if c not in timing]
+        columns = [c for c in a.columns if c not in timing | other]
         pd.testing.assert_frame_equal(a[columns], f[columns])
     configs = [yaml.safe_load((d / "config.yaml").read_text()) for d in (alone, fused)]
     for config in configs:
@@ -135,7 +135,9 @@ def test_a_small_memory_budget_splits_the_points_into_passes_with_the_same_resul
     assert [s for s, _ in sweep.run_group([(cfg, None) for cfg in cfgs], memory_gb=1e-9)] == ["done"] * 3
     assert calls and set(calls) == {1}  # every chunk holds one point
     alone = runner.run(point(tmp_path / "alone", "method=h2o"))
-    assert_same_run(alone, store.run_dir(tmp_path, alone.name), group_size=3)
+    fused = store.run_dir(tmp_path, alone.name)
+    assert set(pd.read_parquet(fused / "predictions.parquet")["decode_batch_size"]) == {1}  # what fitted
+    assert_same_run(alone, fused, group_size=3, other={"decode_batch_size", "batch_size_realized"})
 
 
 # -- resume per point -----------------------------------------------------------------------------------------
@@ -215,12 +217,19 @@ def test_a_sweep_fuses_by_default_and_the_switch_runs_every_point_alone(tmp_path
     assert len([d for d in hydra_dirs if (d / "metrics.parquet").exists()]) == 5, "and its results in it"
 
 
-def test_the_local_launcher_runs_a_group_as_one_process(tmp_path, monkeypatch):
-    from tests.test_sweeps import sweep as run_sweep
+def test_the_local_launcher_runs_a_group_as_one_process(tmp_path):
+    """In a process of its own, as a user runs it (its submitit jobs are processes too)."""
+    import os
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("KVBENCH_SUBMITIT_DIR", str(tmp_path / "submitit"))
-    code, out, err = run_sweep([*SWEEP, "hydra/launcher=local", f"results_root={tmp_path}"], monkeypatch)
-    assert code == 0, err
-    assert "kvbench sweep: 6 points: 5 done, 1 skipped, 0 failed" in out
+    from tests.conftest import REPO
+
+    env = {**os.environ, "KVBENCH_SUBMITIT_DIR": str(tmp_path / "submitit"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "kvbench", "-m", *SWEEP, "hydra/launcher=local",
+                           f"results_root={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kvbench sweep: 6 points: 5 done, 1 skipped, 0 failed" in proc.stdout
     assert set(predictions(tmp_path)["fused_group_size"]) == {5}
     assert len(list((tmp_path / "submitit").glob("*/*_result.pkl"))) == 1, "one job for the group"

@@ -1,7 +1,8 @@
 """Sweeps through a real single-node SLURM cluster (slurmctld + slurmd + munged started by the test).
 
 Needs root and Debian's slurm-wlm + munge (``scripts/slurm_cluster.sh install``; CI installs them);
-skipped otherwise. Checks that every sweep point lands in the shared results root, that a job cancelled
+skipped otherwise. Checks that every sweep point lands in the shared results root (a fused group as one
+job), that a job cancelled
 mid-run (by the id ``kvbench status`` shows) ends the launcher's wait and is redone on resubmission while
 finished points are not touched, that a point failing in its job is reported without hanging the
 launcher, and that the cluster script stops only the daemons it started.
@@ -79,6 +80,8 @@ def test_sweep_through_slurm_lands_every_point(slurm_env, tmp_path):
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")
     assert set(zip(metrics["method"], metrics["budget"])) == {
         ("full", "full"), ("streamingllm", "0.2"), ("streamingllm", "0.5")}
+    assert set(metrics["fused_group_size"]) == {3}, "one fused group"
+    assert len({s["slurm_job"] for s in states}) == 1, "one SLURM job for the group"
 
 
 def _wait_for_running(root, timeout=300) -> dict:
