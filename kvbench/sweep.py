@@ -7,16 +7,19 @@ whose timings are the measurement, nor pg19 or lm_eval) and without chunked pref
 sees that point's compressed past). Every other point runs alone, as without fusing.
 
 A group (``run_group``, one process or one SLURM job) skips its finished points and repeats of a run id, loads
-the model, the task and its samples once, and for every batch of ``batch_size`` samples prefills each prompt
-once for all its points (``kvbench.shared_prefill``); each point then decodes its rows as it would alone (the
-same batch through ``Engine.decode``, so on the CPU the same tokens) and scores them; at the end every point is
-written as if it had run alone (``runner.publish``: its run id, run dir, status record). If the group fails, its
-unpublished points run again one by one, so that an error fails only the point that has it.
+the model, the task and its samples once, prefills each prompt once for all its points
+(``kvbench.shared_prefill``, longest prompt first) and admits every point's row to one ``DecodeBatch`` of all
+the points (``batch_size`` slots each, continuous batching: one forward pass per step for every point's rows);
+each point's rows are scored and the point is written as if it had run alone (``runner.publish``: its run id,
+run dir, status record). A point that fails (its method, its config) fails alone; if the group itself fails,
+its unpublished points run again one by one.
 
-Memory: a batch's rows of every point are held until each point has decoded them; when their estimated size
-exceeds the memory budget, the points are split into chunks, each with its own prompt pass.
+Memory: a point holds ``batch_size`` rows at most; the slots shrink to what the memory budget (``sweep.memory_gb``)
+holds for every point, and when one slot of every point does not fit, the points are split into chunks, each
+with its own prompt passes.
 Timings: a fused row's time to first token is the whole shared pass plus the point's own compression and
-suffix; its run's wall time is the group's; its rows say ``fused_group_size``.
+suffix, its decode time its share of steps that carried every point's rows; its run's wall time is the group's;
+its rows say ``fused_group_size``.
 """
 
 from __future__ import annotations
