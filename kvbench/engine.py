@@ -472,15 +472,16 @@ class Engine:
         return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
 
     def compress_prompt_layer(self, session: Session, layer: int, kv: LayerKV, stats: AttentionStats,
-                              own: Callable[[LayerKV], LayerKV] | None = None) -> None:
-        """Compress a prompt layer ``kv`` into the row's cache (timed as prefill compression). ``own`` makes the
-        result the row's own storage where the method returned shared tensors (a prompt pass of several rows)."""
+                              own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
+        """Compress a prompt layer ``kv`` into the row's cache (timed as prefill compression). ``own(layer, kv)``
+        makes the result the row's own storage where the method returned shared tensors (a prompt pass shared by
+        several rows, ``kvbench.shared_prefill``)."""
         with session.timer.section("compress"):
             compressed = self.method.compress(layer, kv, stats, session.layer_n_keep[layer], "prefill")
-            session.cache.set_kv(layer, compressed if own is None else own(compressed))
+            session.cache.set_kv(layer, compressed if own is None else own(layer, compressed))
 
     def compress_after_pass(self, session: Session, n_keep: Tensor, stats: list[AttentionStats],
-                            max_new_tokens: int, own: Callable[[LayerKV], LayerKV] | None = None) -> None:
+                            max_new_tokens: int, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
         """A method whose layer budgets need every layer's statistics (``Method.budget_needs``): the budgets,
         then every layer compressed, after the prompt pass."""
         session.layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)

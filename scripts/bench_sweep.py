@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
             if args.alone == "all" or runner.method_name(cfg) in args.alone.split(","):
                 runner.run(cfg)
         group = [(cfg, None) for cfg in points(overrides, fused_root)]
-        outcomes = sweep.run_group(group)
+        outcomes = sweep.run_group(group, memory_gb=group[0][0].sweep.memory_gb)
         failed = [detail for state, detail in outcomes if state == "failed"]
         if failed:
             print("fused group: failed points:", *failed, sep="\n  ", file=sys.stderr)
@@ -84,6 +84,15 @@ def report(overrides, alone, alone_runs, fused, fused_runs, complete: bool) -> N
     if len(full):
         print(f"fused / full cache alone: {fused_wall / float(full.iloc[0]):.3f} "
               f"(GPU targets: <= 2 for 6 points, <= 6 for 36)")
+    print(f"{'point':<24}{'alone wall':>12}{'TTFT alone':>12}{'TTFT fused':>12}{'TPOT alone':>12}{'TPOT fused':>12}")
+    for rid, run in fused_runs.iterrows():
+        alone_run = alone_runs.loc[rid] if rid in alone_runs.index else None
+        cells = [f"{run['method']} {run['budget']}"]
+        cells += ["-" if alone_run is None else f"{alone_run['wall_seconds']:.2f} s"]
+        for column, scale, unit in (("ttft_seconds", 1, "s"), ("tpot_seconds", 1000, "ms")):
+            cells += ["-" if alone_run is None else f"{scale * alone_run[column]:.2f} {unit}",
+                      f"{scale * run[column]:.2f} {unit}"]
+        print(f"{cells[0]:<24}" + "".join(f"{c:>12}" for c in cells[1:]))
     key = ["run_id", "sample_id"]
     both = alone[key + ["prediction"]].merge(fused[key + ["prediction"]], on=key, suffixes=("_alone", "_fused"))
     same = int((both["prediction_alone"] == both["prediction_fused"]).sum())
