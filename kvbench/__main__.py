@@ -1,11 +1,14 @@
 """``python -m kvbench [overrides]`` / ``python -m kvbench -m <sweep>``: the Hydra entry point.
 
-Before Hydra runs, the run (or every point of a sweep) is composed and checked (``kvbench.checks``), so that
-bad input is one line naming the value and the accepted ones (exit 2) and nothing is launched or written."""
+Before Hydra runs, the run (or every point of a sweep, and the data of every task a sweep reads) is composed
+and checked (``kvbench.checks``), so that bad input is one line naming the value and the accepted ones
+(exit 2) and nothing is launched or written. A full disk is one line too (exit 2), and so is Ctrl-C (exit
+130): the run in progress is recorded as interrupted, and the same command resumes."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -17,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from kvbench.errors import ConfigError, unknown_name
+from kvbench.errors import INTERRUPTED_EXIT, ConfigError, disk_full, disk_full_line, unknown_name
 
 log = logging.getLogger("kvbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -140,16 +143,23 @@ def print_metrics(run_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> tuple[str, str]:
-    """One run. Returns its outcome for the sweep launchers' summary: (done | skipped | failed, detail)."""
+    """One run. Returns its outcome for the sweep launchers' summary: (done | skipped | failed, detail).
+    Bad input and a full disk are one line: exit 2 for a single run, a failed outcome in a sweep (whose
+    launcher stops at a full disk)."""
     from kvbench.runner import run
 
+    hydra = HydraConfig.get()
     try:
-        run_dir = run(cfg, hydra_dir=Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as err:
-        log.error("kvbench: error: %s", err)
-        print(f"kvbench: error: {err}", file=sys.stderr)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            return "failed", f"ConfigError: {err}"  # a sweep goes on; a SLURM job still returns a result
+        run_dir = run(cfg, hydra_dir=Path(hydra.runtime.output_dir), overrides=list(hydra.overrides.task))
+    except Exception as err:  # noqa: BLE001 - sorted below: bad input, a full disk, or a bug (re-raised)
+        full = disk_full(err)
+        if not isinstance(err, ConfigError) and full is None:
+            raise
+        line = str(err) if full is None else disk_full_line(full, cfg.results_root)
+        log.error("kvbench: error: %s", line)
+        if hydra.mode == RunMode.MULTIRUN:  # the sweep's summary says it; a SLURM job still returns a result
+            return "failed", f"{type(err).__name__ if full is None else 'DiskFull'}: {line}"
+        print(f"kvbench: error: {line}", file=sys.stderr)
         sys.exit(2)
     if run_dir is None:
         return "skipped", "finished before"
@@ -178,17 +188,46 @@ def entry() -> None:
         sys.exit(0)
     argv = sys.argv[1:] = quote_numeric_choices(argv)
     hydra_flags = [a for a in argv if a.startswith("-") and a not in MULTIRUN_FLAGS]
+    root = None
     try:
         check_argv(argv)
         if not hydra_flags:  # --cfg, --info, --hydra-help ...: Hydra's own commands, left to Hydra
-            from kvbench.checks import validate
+            from kvbench.checks import check_data, validate
 
-            for cfg in composed_points(argv):
+            points = composed_points(argv)
+            for cfg in points:
                 validate(cfg)
+            root = points[0].results_root
+            if argv[:1] in ([f] for f in MULTIRUN_FLAGS):
+                check_data(points)
+        run_app()
     except ConfigError as err:
         print(f"kvbench: error: {err}", file=sys.stderr)
         sys.exit(2)
-    main()
+    except KeyboardInterrupt:
+        print("kvbench: interrupted (Ctrl-C): the run in progress was not published (kvbench status shows it "
+              "as interrupted); run the same command again to resume", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
+    except Exception as err:  # noqa: BLE001 - a full disk is one line; anything else is a bug: re-raised
+        full = disk_full(err)
+        if full is None:
+            raise
+        print(f"kvbench: error: {disk_full_line(full, root)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_app() -> None:
+    """The Hydra app, with Hydra's own error report off (HYDRA_FULL_ERROR) so that its exceptions reach
+    ``entry``: a full disk strikes Hydra's own writes (the job's .hydra/ files) as well as kvbench's."""
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   per-slot ``logit_bias``, step attention from the same pass), over the whole capacity while a CUDA graph is
   captured;
 - a pass of several queries over a non-empty cache (a suffix, a prompt chunk, a teacher-forced chunk) runs
-  ``ragged_attention`` with the causal rule on stored positions;
+  ``chunk_attention`` (FlashAttention-style: every cached slot, then the pass's own slots, which its write
+  put last in every row, causally; per-row lengths and ``logit_bias``) and its statistics come from one
+  column-sum pass with its lse, as the prompt pass's do; with a ``logit_bias`` and statistics (which the
+  column-sum pass does not take) it runs ``ragged_attention`` with the causal rule on stored positions;
 - a method that expands its stored slots at attention time (``Method.expands_slots``: EMS's look-up table)
   has the two cached paths above read its ``Method.expand`` entries instead, over their whole (static)
   capacity, the statistics summed back onto the stored slots (``Expansion.fold``).
@@ -40,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvbench.cache import CompositeCache, CompressedCache, CompressedLayer, PassPlan
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kv import LOGIT_BIAS, AttentionStats
@@ -47,8 +51,7 @@ from kvbench.kv import LOGIT_BIAS, AttentionStats
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # Statistics the attention computes; raw_keys come from the stored keys when the method compresses.
 ATTENTION_STATS = frozenset({"column_sums", "window_column_sums", "step_attention", "query_column_sums"})
-# Statistics over every prompt query: they need every query's log-sum-exp from the forward.
-FULL_LSE_STATS = frozenset({"column_sums", "step_attention", "query_column_sums"})
+EVERY_QUERY_STATS = ATTENTION_STATS - {"window_column_sums"}  # statistics that need every query's lse
 
 
 def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -71,52 +74,56 @@ def _base_function(impl: str):
 
 def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, kwargs):
     """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics, one
-    dict per statistic set (the plan's own, then ``plan.stat_sets``, a prompt pass shared by several methods).
+    dict per statistic set (the plan's own, then ``plan.stat_sets``, a prompt pass shared by several methods),
+    each exactly as a pass asking for it alone computes it.
 
     Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse`` when
-    any set wants them (on the CPU it runs the kernel the wrapped sdpa runs: the same output to the bit)."""
+    any set wants them (on the CPU it runs the kernel the wrapped sdpa runs: the same output to the bit).
+    Statistics of the last ``window`` queries alone need only theirs: they are computed apart (a window of 32
+    rows costs a few percent of a pass), also beside a forward that returned every query's lse."""
     sets = [(plan.wanted & ATTENTION_STATS, plan.window),
             *((wanted & ATTENTION_STATS, window) for wanted, window in plan.stat_sets)]
-    if any(wanted & FULL_LSE_STATS for wanted, _ in sets):
+    B, Q = query.shape[0], query.shape[2]
+    if any(wanted & EVERY_QUERY_STATS for wanted, _ in sets):
         output, lse = causal_attention_lse(query, key, value, scaling)
         output = output.transpose(1, 2).contiguous()
     else:
         output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
         lse = None
+    key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
+    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
     computed = {}
     for wanted, window in sets:
-        if (wanted, window) not in computed:
-            computed[wanted, window] = _prompt_statistics(query, key, lse, plan.query_positions, wanted, window,
-                                                          scaling)
-    return output, [computed[wanted, window] for wanted, window in sets]
+        if wanted and (wanted, window) not in computed:
+            computed[wanted, window] = _stats_from_lse(
+                query, key, lse if wanted & EVERY_QUERY_STATS else None, key_valid, key_pos, scaling,
+                plan.query_positions, wanted, window)
+    return output, [computed.get((wanted, window), {}) for wanted, window in sets]
 
 
-def _prompt_statistics(query, key, lse, query_positions, wanted: frozenset[str], window: int, scaling) -> dict:
-    """One statistic set of the prompt pass, exactly as a pass asking for it alone computes it: sets that need
-    every query's lse read the forward's; statistics of the last ``window`` queries alone take the window's
-    lse apart (a window of 32 rows costs a few percent of a pass); per-query-head sums (D2O) run the
-    column-sum pass over the keys repeated to the query heads (one output row per query head)."""
-    if not wanted:
-        return {}
+def _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, query_positions, wanted: frozenset[str],
+                    window: int) -> dict:
+    """The ``wanted`` statistics over ``key`` (B, H_kv, T) from one column-sum pass with the queries' lse
+    (B, H_q, q) (or, when only the last ``window`` queries' statistics are wanted and ``lse`` is None, theirs
+    computed apart); per-query-head sums (D2O) run it over the keys repeated to the query heads."""
     B, Hq, Q, _ = query.shape
-    if wanted & FULL_LSE_STATS:
-        q, q_pos = query, query_positions
-    else:
-        q, q_pos, lse = query[:, :, -window:], query_positions[:, -window:], None
+    window = window if "window_column_sums" in wanted else 0
+    q, q_pos = query, query_positions
+    if not wanted & EVERY_QUERY_STATS:  # the window's queries alone
+        q, q_pos = query[:, :, -window:], q_pos[:, -window:]
+        lse = None if lse is None else lse[:, :, -window:]
     Hkv = key.shape[1]
     per_query_head = "query_column_sums" in wanted
     if per_query_head:  # every query head's own sums: its keys repeated, then averaged per group below
-        key = key.repeat_interleave(Hq // Hkv, dim=1)
-    key_pos = query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
-    key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
+        key, key_valid, key_pos = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, key_valid, key_pos))
     if lse is None:
         _, lse = attention_lse(q, key, None, key_valid, key_pos, q_pos, scaling)
     col, win = column_sums_from_lse(q, key, lse, key_valid, key_pos, q_pos, scaling, window=window)
     stats = {}
     if per_query_head:
         stats["query_column_sums"] = col
-        col = col.view(B, Hkv, Hq // Hkv, Q).mean(2)
-        win = None if win is None else win.view(B, Hkv, Hq // Hkv, Q).mean(2)
+        col = col.view(B, Hkv, Hq // Hkv, -1).mean(2)
+        win = None if win is None else win.view(B, Hkv, Hq // Hkv, -1).mean(2)
     if win is not None:
         stats["window_column_sums"] = win
     if "column_sums" in wanted:
@@ -150,12 +157,18 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
         return output.transpose(1, 2), stats if expansion is None else expansion.fold(stats, layer.kv.capacity)
     t = kv.capacity if expansion is not None else layer.longest
     valid = torch.arange(t, device=query.device).view(1, 1, -1) < kv.lengths.unsqueeze(-1)
-    output, stats = ragged_attention(
-        query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
-        scaling, window=plan.window if "window_column_sums" in wanted else 0,
-        want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
-        key_bias=None if bias is None else bias[:, :, :t], want_query_column_sums="query_column_sums" in wanted,
-    )
+    if expansion is None and (bias is None or not wanted):  # this pass's tokens are every row's last q slots
+        output, lse = chunk_attention(query, kv.keys, kv.values, kv.lengths, scaling, key_bias=bias)
+        stats = _stats_from_lse(query, kv.keys[:, :, :t], lse, valid, kv.positions[:, :, :t], scaling,
+                                plan.query_positions, wanted, plan.window) if wanted else {}
+    else:  # expanded entries, or statistics with a logit bias (the column-sum pass takes none)
+        output, stats = ragged_attention(
+            query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
+            scaling, window=plan.window if "window_column_sums" in wanted else 0,
+            want_column_sums="column_sums" in wanted, want_step="step_attention" in wanted,
+            key_bias=None if bias is None else bias[:, :, :t],
+            want_query_column_sums="query_column_sums" in wanted,
+        )
     output = output.transpose(1, 2).contiguous()
     if expansion is not None:
         return output, expansion.fold(stats, layer.kv.capacity)
@@ -190,7 +203,7 @@ def _make_attention(impl: str):
             plan.after_layer(layer_idx)
         return output
 
-    return kvbench_attention
+    return torch.compiler.disable(kvbench_attention)  # host decisions: compiled layers call it as it is
 
 
 def _register(impl: str) -> str:

@@ -203,6 +203,7 @@ class CompressedCache(Cache):
         self.pass_stats: list[AttentionStats] = [AttentionStats() for _ in range(num_layers)]
         self.set_stats: list[list[AttentionStats]] = [[] for _ in range(num_layers)]  # PassPlan.stat_sets'
 
+    @torch.compiler.disable  # host decisions (the length mirror): compiled layers call it as it is
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         if self.plan is None:
             raise RuntimeError("CompressedCache: the engine must set a PassPlan before a forward pass")

@@ -1,25 +1,29 @@
 """Checks of one composed run config before anything runs or is submitted: every bad value gets one line
 naming it and the accepted ones (``ConfigError``), and nothing is written that looks finished.
 
-``python -m kvbench`` runs ``validate`` on the run, or on every point of a sweep before launching any;
-``runner.run`` runs it again (programmatic use). Problems that only the data reveal (a corrupt file, no
-samples) are raised by the tasks when they load."""
+``python -m kvbench`` runs ``validate`` on the run, or on every point of a sweep before launching any, and
+``check_data`` on every task a sweep reads; ``runner.run`` runs ``validate`` again (programmatic use).
+Problems that only the data reveal (a missing or corrupt file, no samples) are raised by the tasks when they
+load: before the first point of a sweep, or when a single run loads them."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import os
 import types
 import typing
 from pathlib import Path
 
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvbench.errors import ConfigError, unknown_name
 
 GROUPS = ("model", "method", "budget", "task", "logger", "kernels")
+BASES = {"method": ("kvbench.methods.base", "Method"), "task": ("kvbench.tasks.base", "Task")}  # group -> class
 
 
 def validate(cfg: DictConfig) -> None:
@@ -58,17 +62,38 @@ def check_top_level(cfg: DictConfig) -> None:
 
 
 def fields_of(group: str, node: DictConfig) -> tuple[type, dict[str, object]]:
-    """The class a ``method``/``task`` config builds and its constructor fields with their types."""
+    """The class a ``method``/``task`` config builds and its constructor fields with their types. Its
+    ``_target_`` must name a dataclass subclassing kvbench's Method / Task."""
     target = node.get("_target_")
+    module_name, _, attribute = str(target).rpartition(".")
     try:
-        cls = get_class(str(target))
-    except Exception as err:  # noqa: BLE001 - hydra wraps import errors of every kind
-        raise ConfigError(f"{group}._target_='{target}' cannot be imported ({type(err).__name__})") from None
+        cls = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as err:  # ValueError: no module part
+        raise ConfigError(f"{group}._target_='{target}' cannot be imported ({type(err).__name__}); "
+                          f"{_accepted_targets(group)}") from None
+    module, name = BASES[group]
+    base = getattr(__import__(module, fromlist=[name]), name)
+    if not isinstance(cls, type):
+        problem = f"is a {type(cls).__name__}, not a class"
+    elif not issubclass(cls, base):
+        problem = f"is not a subclass of {module}.{name}"
+    else:
+        problem = "" if dataclasses.is_dataclass(cls) else "is not a dataclass"
+    if problem:
+        raise ConfigError(f"{group}._target_='{target}' {problem}; {_accepted_targets(group)}")
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 - an annotation naming a type-checking-only import: types unchecked
         hints = {}
     return cls, {f.name: hints.get(f.name, typing.Any) for f in dataclasses.fields(cls) if f.init}
+
+
+def _accepted_targets(group: str) -> str:
+    from kvbench.cli import CONF
+
+    module, name = BASES[group]
+    choices = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+    return f"accepted: a {module}.{name} dataclass, as the {group} choices name ({group}=NAME: {choices})"
 
 
 def build(group: str, node: DictConfig):
@@ -84,6 +109,25 @@ def build(group: str, node: DictConfig):
     for key, value in values.items():
         _expect(f"{group}.{key}", value, fields[key])
     return cls(**values)  # directly: Hydra's instantiate costs 10x more, on every point of a sweep
+
+
+def task_samples(task) -> list:
+    """The task's samples; none is an error naming the task."""
+    samples = task.samples()
+    if not samples:
+        raise ConfigError(f"task '{task.name}' produced no samples; check its data and task.* settings")
+    return samples
+
+
+def check_data(points: list[DictConfig]) -> None:
+    """Load the samples of every distinct task config of a sweep (data files, the hub's files) before any
+    point launches: a data problem is then one line, exit 2, with nothing launched."""
+    seen = set()
+    for cfg in points:
+        key = json.dumps(OmegaConf.to_container(cfg.task, resolve=True), sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            task_samples(build("task", cfg.task))
 
 
 def instantiate_config(node):

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-STATES = ("done", "running", "failed", "stale", "corrupt")
+STATES = ("done", "running", "failed", "stale", "interrupted", "corrupt")  # the first four always counted
 HELP_GROUPS = ("model", "method", "budget", "task", "logger", "kernels", "hydra/launcher", "experiment")
 
 
@@ -34,7 +34,7 @@ def usage() -> str:
     lines = [
         "usage: kvbench [run] [key=value ...]      one run (python -m kvbench ... is the same)",
         "       kvbench [run] -m key=a,b ...       a sweep; -m must come first",
-        "       kvbench status [ROOT] [--stale-code]  done / running / failed / stale runs (ROOT: $KVBENCH_RESULTS or results)",
+        "       kvbench status [ROOT] [--stale-code]  done / running / failed / stale / interrupted / corrupt runs (ROOT: $KVBENCH_RESULTS or results)",
         "       kvbench collect [ROOT]             rebuild ROOT/metrics.parquet and predictions.parquet from ROOT/runs",
         "       kvbench report [--root ROOT] ...   tables and plots (kvbench report --help)",
         "       kvbench bench kernels ...          kernel timings (kvbench bench kernels --help)",
@@ -55,8 +55,10 @@ def usage() -> str:
 
 
 def status(argv: list[str]) -> int:
-    """Which runs under a results root are done, running, failed (with the error), stale or corrupt;
-    ``--stale-code``: only the finished runs made by another kvbench version or git commit."""
+    """Which runs under a results root are done, running, failed (with the error), stale, interrupted or
+    corrupt (published, but not readable), with the command that runs each unfinished one again and whether
+    the collected tables hold exactly the done runs; ``--stale-code``: only the finished runs made by
+    another kvbench version or git commit."""
     from kvbench import code_version, status as run_status, store
 
     stale_code = "--stale-code" in argv
@@ -75,9 +77,8 @@ def status(argv: list[str]) -> int:
     for col in columns:
         table.add_column(col)
     for rec in sorted(states, key=lambda r: (r["state"], store.run_label(r))):
-        detail = rec.get("error", "") if rec["state"] in ("failed", "corrupt") else ""
-        if rec["state"] == "running":
-            detail = f"for {time.time() - rec['time']:.0f} s"
+        detail = {"done": "", "running": f"for {time.time() - rec.get('time', time.time()):.0f} s",
+                  "stale": "its process is gone (crashed, killed or cancelled)"}.get(rec["state"], rec.get("error", ""))
         cells = [rec["run_id"], rec["state"], store.run_label(rec), str(rec.get("host", rec.get("hostname", ""))),
                  str(rec.get("slurm_job") or rec.get("slurm_job_id") or ""), detail]
         if stale_code:
@@ -86,9 +87,14 @@ def status(argv: list[str]) -> int:
     Console(width=200).print(table)
     counts = {s: sum(r["state"] == s for r in states) for s in STATES}
     print(", ".join(f"{n} {s}" for s, n in counts.items() if n or s in STATES[:4]))
-    missing = _not_collected(root, [r["run_id"] for r in states if r["state"] == "done"])
-    if missing:
-        print(f"{len(missing)} done runs are missing from {root / 'metrics.parquet'}: run `kvbench collect {root}`")
+    todo = [r for r in states if r["state"] not in ("done", "running")]
+    if todo:
+        print("not finished (a re-run of their sweep runs them again):")
+    for rec in sorted(todo, key=lambda r: r["run_id"]):
+        print(f"  {rec['run_id']} {rec['state']}: {run_status.what_to_do(root, rec)}")
+    stale = store.stale_tables(root, [r["run_id"] for r in states if r["state"] == "corrupt"])
+    if stale:
+        print(f"the collected tables in {root} are stale ({stale}): run `kvbench collect {root}`")
     return 0
 
 
@@ -98,30 +104,28 @@ def _other_code(record: dict, current: dict) -> bool:
     return bool(current["git_commit"]) and record.get("git_commit") != current["git_commit"]
 
 
-def _not_collected(root: Path, done: list[str]) -> list[str]:
-    import pandas as pd
-
-    path = root / "metrics.parquet"
-    try:
-        collected = set(pd.read_parquet(path, columns=["run_id"])["run_id"]) if path.exists() else set()
-    except (OSError, ValueError):
-        return done
-    return [rid for rid in done if rid not in collected]
-
-
 def collect(argv: list[str]) -> int:
-    """Rebuild the collected tables from ``runs/``; name the runs left out because they cannot be read."""
-    from kvbench import store
+    """Rebuild the collected tables from ``runs/``; name the runs left out because they do not read back,
+    each with the command that runs it again."""
+    from kvbench import status as run_status, store
+    from kvbench.errors import disk_full, disk_full_line
 
     root = Path(argv[0]) if argv else default_root()
     if not (root / store.RUNS).is_dir():
         print(f"kvbench: error: '{root}' has no {store.RUNS}/ folder: not a results root", file=sys.stderr)
         return 2
-    skipped = store.collect(root)
-    runs = len(store.finished_runs(root)) - len(skipped)
+    try:
+        skipped = store.collect(root)
+    except OSError as err:
+        full = disk_full(err)
+        reason = disk_full_line(full, root) if full else f"{err.strerror or err} ({err.filename or root})"
+        print(f"kvbench: error: the collected tables in {root} cannot be written: {reason}", file=sys.stderr)
+        return 2
+    runs = len(store.published_runs(root)) - len(skipped)
     print(f"kvbench collect: {runs} runs in {root / 'metrics.parquet'} and {root / 'predictions.parquet'}")
     for rid, reason in skipped:
-        print(f"  skipped {store.run_dir(root, rid)}: {reason}")
+        record = run_status.published_record(store.run_dir(root, rid))
+        print(f"  skipped {store.run_dir(root, rid)}: {reason}; {run_status.what_to_do(root, record)}")
     return 0
 
 

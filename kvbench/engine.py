@@ -41,8 +41,9 @@ from torch import Tensor
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
+from kvbench.compile import compile_enabled, compiled_decode
 from kvbench.errors import ConfigError
-from kvbench.graphs import DecodeGraph
+from kvbench.hf_compat import cache_keyword
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
@@ -118,8 +119,8 @@ class Generation:
     decode_seconds: float  # all decode steps, decode-time compression included
     decode_compress_seconds: float  # decode-time compression alone (inside decode_seconds)
     tpot_seconds: float  # decode time per generated token (one batched decode step)
-    peak_memory_bytes: int  # during this call: CUDA max allocated; CPU peak RSS growth (kvbench.memory)
-    peak_memory_above_weights_bytes: int  # the peak minus the model's parameters (CPU growth excludes them)
+    peak_memory_bytes: int  # during this call: bytes of live tensors at their peak, weights included (kvbench.memory)
+    peak_memory_above_weights_bytes: int  # the peak minus the model's parameters
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
     batch_size: int = 1  # rows the decode batch it ran in holds (its slots)
 
@@ -301,6 +302,7 @@ class Engine:
     cuda_graphs: replay decode steps as CUDA graphs (``kvbench.graphs``); "auto": on for a CUDA model.
     batch_size: rows ``generate`` decodes together (continuous batching, ``kvbench.decode``); None: every prompt
     of a call at once; "auto": as many as free device memory holds (``kvbench.decode.auto_batch_size``).
+    compile: run one-token passes through compiled decoder layers (``kvbench.compile``): true, false or auto.
     decode_path: "in_place" (one slot evicted in place per step where the method can) or "compress" (the
     method's functional ``compress`` every time: the reference the in-place path is tested against).
     """
@@ -316,6 +318,7 @@ class Engine:
         cuda_graphs: bool | str = "auto",
         decode_path: str = "in_place",
         batch_size: int | str | None = None,
+        compile: str | bool = "auto",
     ) -> None:
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"unknown position_mode '{position_mode}'; accepted: {', '.join(POSITION_MODES)}")
@@ -349,6 +352,7 @@ class Engine:
             raise ConfigError(f"batch_size={batch_size!r}; accepted: an integer >= 1 or auto")
         self.batch_size = batch_size
         self.on_generation: Callable[[], None] | None = None  # called as each generated row finishes (progress)
+        self.compile_decode = compile_enabled(compile, self.device, self.cuda_graphs)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
@@ -356,7 +360,8 @@ class Engine:
     def with_method(self, method: Method, budget: Budget) -> "Engine":
         """The same model and engine settings with another method and budget (reference systems)."""
         return Engine(self.model, method, budget, self.attn_implementation, self.position_mode,
-                      self.prefill_chunk_size, self.cuda_graphs_setting, self.decode_path, self.batch_size)
+                      self.prefill_chunk_size, self.cuda_graphs_setting, self.decode_path, self.batch_size,
+                      self.compile_decode)
 
     def in_place_eviction(self, q: int) -> bool:
         """Whether a pass of q tokens compresses through ``Method.evict_one`` (rows over budget by one)."""
@@ -376,9 +381,10 @@ class Engine:
     def _forward(self, tokens: Tensor, index: Tensor, rope_positions: Tensor, cache: CompressedCache,
                  plan: PassPlan, logits_to_keep: int = 0) -> Tensor:
         cache.plan = plan
-        with torch.inference_mode(), attach(self.model, self.attn_implementation):
-            out = self.model(input_ids=tokens, position_ids=rope_positions, past_key_values=cache, use_cache=True,
-                             kvbench_cache=cache, logits_to_keep=logits_to_keep)
+        with torch.inference_mode(), attach(self.model, self.attn_implementation), compiled_decode(
+                self.model, self.compile_decode and tokens.shape[1] == 1):
+            out = self.model(input_ids=tokens, position_ids=rope_positions, **{cache_keyword(type(self.model)): cache},
+                             use_cache=True, kvbench_cache=cache, logits_to_keep=logits_to_keep)
         return out.logits
 
     def with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:
@@ -586,14 +592,14 @@ class Engine:
         from kvbench.decode import DecodeRequest, decode_prompts  # it builds on Session and Generation
 
         request = DecodeRequest(max_new_tokens, frozenset(stop_token_ids), min_new_tokens, stop_when)
-        with PeakMemory(self.device) as peak, attach(self.model, self.attn_implementation):
+        with PeakMemory(self.device, baseline=self.weight_bytes) as peak, attach(self.model, self.attn_implementation):
             gens = decode_prompts(self, prompts, suffixes, request,
                                   self.batch_size if batch_size is None else batch_size)
         self.record_peak(gens, peak.bytes)
         return gens
 
     def record_peak(self, gens: list[Generation], peak: int) -> None:
-        """Set the peak memory (``PeakMemory.bytes``) of the block that made ``gens`` on each of them."""
-        above = peak - self.weight_bytes if self.device.type == "cuda" else peak
+        """Set the peak memory (``PeakMemory.bytes`` with the weights as its baseline) of the block that made
+        ``gens`` on each of them."""
         for gen in gens:
-            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak, above
+            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak, peak - self.weight_bytes

@@ -75,7 +75,7 @@ def free_memory_bytes(device: torch.device) -> int:
 def memory_limit(device: torch.device, cap_bytes: int) -> float | None:
     """The peak memory (as ``PeakMemory`` reports it) at which a capped try runs out, where that is known:
     CUDA, what the process reserves now plus the cap; CPU, None (the address-space cap has slack, see
-    ``MemoryCap``, and resident peaks are not what it counts)."""
+    ``MemoryCap``, and tensor peaks are not what it counts)."""
     if device.type != "cuda":
         return None
     gc.collect()
@@ -89,7 +89,8 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    """The error's type and the first line of its message (a C++ ``std::bad_alloc`` says only that)."""
+    return f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0]
 
 
 class MemoryCap:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvbench.kernels.append import append_slots
 from kvbench.kernels.slots import evict_lowest, move_last_into, next_slots, select_lowest
 
 
@@ -164,19 +165,13 @@ class LayerKV:
 
         The caller guarantees room (``capacity >= max length + q``, known on the host); nothing here reads a
         device value back, so a decode step stays free of host synchronisation. New slots' state starts at 0."""
-        B, H, q, _ = keys.shape
-        slot = self.lengths.unsqueeze(-1) + torch.arange(q, device=keys.device)  # (B, H, q)
-        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]), keys.to(self.keys.dtype))
-        self.values.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]),
-                             values.to(self.values.dtype))
-        self.positions.scatter_(2, slot, positions.view(B, 1, q).expand(B, H, q))
         block = self.packed_state()
-        if block is not None:
-            block.scatter_(3, slot.expand(block.shape[0], *slot.shape), 0.0)
-        else:
+        if block is None:  # states a method replaced start at 0 one by one, the rest goes with an empty block
+            slot = self.lengths.unsqueeze(-1) + torch.arange(keys.shape[2], device=keys.device)  # (B, H, q)
             for s in self.state.values():
                 s.scatter_(2, slot, 0.0)
-        self.lengths += q
+            block = self.keys.new_zeros((0, *self.positions.shape), dtype=torch.float32)
+        append_slots(keys, values, positions, self.lengths, self.keys, self.values, self.positions, block)
 
     def write_aligned(self, start: int, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """``write`` for a cache whose rows all hold ``start`` slots (the host knows it): plain slice copies."""

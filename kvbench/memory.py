@@ -1,44 +1,52 @@
-"""Peak memory of a block of work, comparable across methods within one process.
+"""Peak memory of a block of work: the bytes of live tensors at their peak, on CUDA and on the CPU alike.
 
-CUDA: ``torch.cuda.max_memory_allocated`` after a reset (what tensors really held at the peak).
-CPU: the peak process RSS sampled every ``interval`` seconds by a thread during the block, minus the RSS at
-its start: the growth the block caused. (``ru_maxrss`` cannot be reset, so it would carry an earlier run's
-peak into a later one.) Sampling can miss a spike shorter than the interval; the number is a lower bound.
+CUDA: ``torch.cuda.max_memory_allocated`` after a reset: every live tensor's bytes (the weights included)
+at the block's peak.
+CPU: the same count, from the CPU allocator's own reports: the torch profiler (``profile_memory``) records
+every allocation and free with its size, so the running sum of those records is the bytes of tensors the
+block allocated and still holds, and its maximum is the block's peak growth. ``PeakMemory`` adds
+``baseline`` (the bytes the caller knows are live at the start: the model's weights) so that the CPU number
+means what the CUDA one means. RSS would not: the allocator reuses memory an earlier run freed without
+growing the process, and keeps freed memory mapped. The profiler costs a few microseconds per operator on
+the CPU, alike for every system a benchmark compares; blocks must not nest (one profiler at a time).
 """
 
 from __future__ import annotations
 
-import threading
-
-import psutil
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+MEMORY_RECORD = "[memory]"  # the profiler's name for an allocator report (bytes > 0: allocation, < 0: free)
+
+
+def peak_growth(records) -> int:
+    """Peak of the running sum of allocator reports (profiler events), in time order: bytes."""
+    running = peak = 0
+    for record in sorted(records, key=lambda r: r.start_ns()):
+        running += record.nbytes()
+        peak = max(peak, running)
+    return peak
 
 
 class PeakMemory:
-    """``with PeakMemory(device) as peak: ...`` then ``peak.bytes``."""
+    """``with PeakMemory(device, baseline) as peak: ...`` then ``peak.bytes`` (live tensor bytes at the peak).
 
-    def __init__(self, device: torch.device, interval: float = 0.002) -> None:
+    ``baseline``: on the CPU, the bytes of tensors live at the start that the block's peak includes (CUDA
+    counts them itself)."""
+
+    def __init__(self, device: torch.device, baseline: int = 0) -> None:
         self.device = device
-        self.interval = interval
+        self.baseline = baseline
         self.bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._profiler: profile | None = None
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        process = psutil.Process()
-        self._start = process.memory_info().rss
-        self._max = self._start
-
-        def sample() -> None:
-            while not self._stop.wait(self.interval):
-                self._max = max(self._max, process.memory_info().rss)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -46,7 +54,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
-        self._stop.set()
-        self._thread.join()
-        self._max = max(self._max, psutil.Process().memory_info().rss)
-        self.bytes = int(self._max - self._start)
+        self._profiler.__exit__(*exc)
+        records = (e for e in self._profiler.profiler.kineto_results.events() if e.name() == MEMORY_RECORD)
+        self.bytes = self.baseline + peak_growth(records)
+        self._profiler = None

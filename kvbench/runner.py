@@ -23,8 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import kvbench
 from kvbench import checks, models, status, store, trackers
 from kvbench.budget import Budget
+from kvbench.compile import compile_enabled
 from kvbench.engine import Engine, peak_memory_bytes
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, describe, disk_full, disk_full_line
 from kvbench.kernels import dispatch
 from kvbench.methods.base import Method
 from kvbench.tasks.base import Task
@@ -41,8 +42,12 @@ def result_config(cfg: DictConfig) -> dict:
     out, so a budget sweep runs it once."""
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in RESULT_KEYS}
-    if config["engine"].get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
-        config["engine"]["cuda_graphs"] = torch.device(str(cfg.model.device)).type == "cuda"
+    engine, device = config["engine"], torch.device(str(cfg.model.device))
+    if engine.get("cuda_graphs") == "auto":  # recorded resolved: the same run as the explicit value
+        engine["cuda_graphs"] = device.type == "cuda"
+    if "compile" in engine:  # resolved too; off is left out, so runs made before the switch existed keep their id
+        if compile_enabled(engine.pop("compile"), device, engine["cuda_graphs"]):
+            engine["compile"] = True
     if method_name(cfg) == FULL:
         config["budget"] = None
     return config
@@ -95,7 +100,7 @@ def build_task(cfg: DictConfig) -> Task:
 def build_engine(cfg: DictConfig, lm: models.LanguageModel, method: Method, budget: Budget) -> Engine:
     return Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
                   prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
-                  batch_size=cfg.batch_size)
+                  batch_size=cfg.batch_size, compile=cfg.engine.compile)
 
 
 def device_id(device: torch.device) -> str:
@@ -108,57 +113,84 @@ def device_id(device: torch.device) -> str:
 
 @dataclass
 class Point:
-    """One run while it executes: its config, results root, id and labels, its Hydra job dir (or None), the
-    device it competes for (``device_id``) and when it was marked running (epoch seconds)."""
+    """One run while it executes: its config, results root, id and labels, its Hydra job dir (or None), and
+    its status record ("running": start in epoch seconds, the device it competes for (``device_id``), labels,
+    the command-line overrides it was started with when known)."""
 
     cfg: DictConfig
     root: Path
     rid: str
     labels: dict
     hydra_dir: Path | None
-    device_key: str
-    start: float
+    record: dict
 
 
-def run(cfg: DictConfig, hydra_dir: Path | None = None) -> Path | None:
+def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | None = None) -> Path | None:
     """Execute one run; returns the run directory, or None when it was already finished and skipped (then it
-    is sent to the configured tracker if it never was). ``skip_finished=false`` runs it again and replaces
-    the published run (the old one is kept as ``runs/<run_id>.prev``).
+    is sent to the configured tracker if it never was, and the collected tables are rebuilt if a full disk
+    left them stale). ``skip_finished=false`` runs it again and replaces the published run (the old one is
+    kept as ``runs/<run_id>.prev``); so does a published run that does not read back. ``overrides``: the
+    command-line overrides it was started with, recorded so that ``kvbench status`` can say how to re-run it.
 
-    While it runs, ``<root>/status/<run_id>.json`` says so; if it fails, the record holds the error
-    (``kvbench status`` shows both); a finished run replaces it."""
-    point = open_point(cfg, hydra_dir)
+    While it runs, ``<root>/status/<run_id>.json`` says so; if it fails or is interrupted, the record says
+    that (with the error); a published run replaces it."""
+    point = open_point(cfg, hydra_dir, overrides)
     return None if point is None else execute(point)
 
 
-def open_point(cfg: DictConfig, hydra_dir: Path | None) -> Point | None:
-    """Check a run and mark it running; None when it finished before (skipped, and sent to the configured
-    tracker if it never was)."""
+def open_point(cfg: DictConfig, hydra_dir: Path | None, overrides: list[str] | None = None) -> Point | None:
+    """Check a run and mark it running; None when it finished before (skipped, as ``run`` says)."""
     checks.validate(cfg)
     root = Path(cfg.results_root)
     rid = store.run_id(result_config(cfg))
     if cfg.skip_finished and store.is_finished(root, rid):
         log.info("run %s already finished in %s: skipped", rid, store.run_dir(root, rid))
+        store.update_tables(root, only_if_stale=True)  # a full disk may have left them stale
         trackers.log_finished(cfg.logger, store.run_dir(root, rid))
         return None
+    published = store.run_dir(root, rid)
+    damage = store.unreadable(published) if (published / store.FINISHED_MARKER).exists() else None
+    if damage:
+        log.warning("run %s does not read back (%s): running it again; the unreadable copy is kept as %s%s",
+                    rid, damage, published, store.PREVIOUS)
     labels = run_labels(cfg)
-    point = Point(cfg, root, rid, labels, hydra_dir, device_id(torch.device(cfg.model.device)), time.time())
-    status.mark(root, rid, "running", start=point.start, device_id=point.device_key, **labels)
-    return point
+    record = {"start": time.time(), "device_id": device_id(torch.device(cfg.model.device)), **labels,
+              **({"overrides": list(overrides)} if overrides is not None else {})}
+    status.mark(root, rid, "running", **record)
+    return Point(cfg, root, rid, labels, hydra_dir, record)
 
 
 def execute(point: Point) -> Path:
-    """Run an opened point alone and publish it; a failure is recorded in its status record."""
+    """Run an opened point alone and publish it; a failure or Ctrl-C is recorded in its status record."""
     try:
-        return _execute(point)
+        written = _execute(point)
     except BaseException as err:
-        mark_failed(point, err)
+        with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
+            mark_ended(point, err)
         raise
+    return announce(point, *written)
 
 
-def mark_failed(point: Point, err: BaseException) -> None:
-    status.mark(point.root, point.rid, "failed", error=f"{type(err).__name__}: {err}", start=point.start,
-                device_id=point.device_key, **point.labels)
+def announce(point: Point, final: Path, metrics: pd.DataFrame, predictions: pd.DataFrame) -> Path:
+    """A published run logged and sent to the configured tracker; returns its run directory."""
+    log.info("run %s written to %s", point.rid, final)
+    trackers.log_run(point.cfg.logger, OmegaConf.to_container(point.cfg, resolve=True), metrics, predictions, final)
+    return final
+
+
+def mark_ended(point: Point, err: BaseException) -> None:
+    """The status record of a run that ended unpublished: "interrupted" (Ctrl-C) or "failed" with the error.
+    Writing it may fail too (a full disk): then the "running" record stays and shows as stale."""
+    if isinstance(err, KeyboardInterrupt):
+        state, error = "interrupted", "interrupted (Ctrl-C or SIGINT) before it was published"
+    else:
+        full = disk_full(err)
+        state, error = "failed", disk_full_line(full, point.root) if full else f"{type(err).__name__}: {err}"
+    try:
+        status.mark(point.root, point.rid, state, error=error, **point.record)
+    except OSError as mark_err:
+        log.warning("run %s %s, and its status record could not be written (%s)", point.rid, state,
+                    describe(mark_err))
 
 
 def prepare(cfg: DictConfig) -> None:
@@ -173,11 +205,9 @@ def prepare(cfg: DictConfig) -> None:
 
 def load_samples(cfg: DictConfig, task: Task, lm: models.LanguageModel) -> list:
     """The run's samples (the first ``limit``), each checked to fit the model."""
-    samples = task.samples()
+    samples = checks.task_samples(task)
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
-    if not samples:
-        raise ConfigError(f"task '{task.name}' produced no samples; check its data and task.* settings")
     for sample in samples:
         task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
     return samples
@@ -188,7 +218,8 @@ def progress_bar() -> Progress:
                     transient=False)
 
 
-def _execute(point: Point) -> Path:
+def _execute(point: Point) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
+    """The run up to its publication: (run directory, metric rows, per-sample rows)."""
     cfg = point.cfg
     prepare(cfg)
     lm, method, budget, task = build(cfg)
@@ -209,23 +240,24 @@ def _execute(point: Point) -> Path:
             batch = samples[start : start + chunk]
             rows.extend(task.predict(batch, lm, engine))
             progress.update(bar, completed=start + len(batch))
-    return publish(point, task, rows, time.perf_counter() - t0, len(samples), engine.device)
+    return publish(point, task, rows, time.perf_counter() - t0, len(samples), engine)
 
 
-def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: int, device: torch.device,
-            group: list[str] = ()) -> Path:
-    """Score a run's per-sample rows and write it, as if it had run alone. ``group``: the run ids of a fused
-    group it ran in (``kvbench.sweep``; this one included): its timings were shared with them, so its rows
-    say ``fused_group_size`` and the group's runs do not count as other runs on the device."""
+def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: int, engine: Engine,
+            group: list[str] = ()) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
+    """Score a run's per-sample rows and write it, as if it had run alone: (run directory, metric rows,
+    per-sample rows). ``engine``: the run's (one of a fused group's). ``group``: the run ids of a fused group it
+    ran in (``kvbench.sweep``; this one included): its timings were shared with them, so its rows say
+    ``fused_group_size`` and the group's runs do not count as other runs on the device."""
     cfg, root, rid, labels = point.cfg, point.root, point.rid, point.labels
-    budget = Budget(cfg.budget.kind, cfg.budget.value)
+    budget, device = Budget(cfg.budget.kind, cfg.budget.value), engine.device
     group_size = max(1, len(group))
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
     predictions["fused_group_size"] = group_size
-    started = dt.datetime.fromtimestamp(point.start, dt.timezone.utc)
-    overlapping = [r for r in status.overlapping_runs(root, rid, point.device_key, point.start, time.time())
-                   if r not in group]
+    started = dt.datetime.fromtimestamp(point.record["start"], dt.timezone.utc)
+    overlapping = [r for r in status.overlapping_runs(root, rid, point.record["device_id"], point.record["start"],
+                                                      time.time()) if r not in group]
     if overlapping:
         log.warning("run %s shared its device with %d other runs (%s): its timings are marked "
                     "concurrent_runs=%d", rid, len(overlapping), ", ".join(overlapping), len(overlapping))
@@ -239,6 +271,7 @@ def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: 
         **_flatten("method", {k: v for k, v in config["method"].items()}),
         **_flatten("task", config["task"]),
         **_flatten("engine", config["engine"]),
+        "engine.compile": engine.compile_decode,  # what auto resolved to on this device
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
@@ -255,14 +288,14 @@ def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: 
     summary = _summary(predictions, wall, peak_memory_bytes(device))
     metrics = pd.DataFrame([{**run_columns, **row, "sample_ids_hash": sample_ids_hash(predictions, row["dataset"]),
                              **summary} for row in metric_rows])
-    meta = _meta(cfg, labels, rid, str(device), point.device_key, started, n_samples, overlapping, code)
+    meta = _meta(cfg, labels, rid, str(device), point.record["device_id"], started, n_samples, overlapping, code)
+    if "overrides" in point.record:
+        meta["overrides"] = point.record["overrides"]
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=point.hydra_dir,
                             artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
     status.clear(root, rid)
-    log.info("run %s written to %s", rid, final)
-    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
-    return final
+    return final, metrics, predictions
 
 
 def _meta(cfg: DictConfig, labels: dict, rid: str, device: str, device_key: str, started: dt.datetime,

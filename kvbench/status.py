@@ -1,16 +1,23 @@
 """What each run under a results root is doing: ``<root>/status/<run_id>.json`` says "running" (with host,
-pid and SLURM job) or "failed" (with the error) until the run is published (then its ``meta.json`` says
-"done"). ``kvbench status`` prints these states; a "running" record whose process is gone shows as
-"stale": on SLURM the queue decides (so this works from any node), elsewhere the pid on its host."""
+pid and SLURM job), "failed" (with the error) or "interrupted" (Ctrl-C) until the run is published; a
+published run is "done" when its files read back and "corrupt" when they do not (``store.unreadable``).
+``kvbench status`` prints these states; a "running" record whose process is gone shows as "stale": on SLURM
+the queue decides (so this works from any node), elsewhere the pid on its host. Every state but done and
+running comes with ``rerun_command``, the command that runs the run again."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
 import os
+import re
+import shlex
+import signal
 import socket
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvbench import store
@@ -29,14 +36,33 @@ def _path(root: Path, rid: str) -> Path:
 
 
 def mark(root: Path, rid: str, state: str, **info) -> None:
-    """Record that run ``rid`` is "running" or "failed" (atomically; the finished state is the run dir)."""
+    """Record that run ``rid`` is "running", "failed" or "interrupted" (atomically; the finished state is the
+    run dir). A write that fails (a full disk) leaves the previous record and no temp file."""
     path = _path(root, rid)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     record = {"run_id": rid, "state": state, "host": socket.gethostname(), "pid": os.getpid(), **slurm_job(),
               "time": time.time(), **info}
-    tmp.write_text(json.dumps(record, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def sigint_held():
+    """SIGINT ignored while a run's end is recorded (in the main thread, where Python handles signals): a
+    second Ctrl-C must not cut the record of the first short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def clear(root: Path, rid: str) -> None:
@@ -44,15 +70,13 @@ def clear(root: Path, rid: str) -> None:
 
 
 def run_states(root: Path) -> list[dict]:
-    """Every known run with its state: done, running, failed, stale (marked running by a process that no
-    longer exists: it crashed, was killed or cancelled) or corrupt (its record cannot be read)."""
+    """Every known run with its state: done, corrupt (published, but its files do not read back: the
+    ``error`` says which), running, failed, interrupted, or stale (marked running by a process that no
+    longer exists: it crashed, was killed or cancelled)."""
     root = Path(root)
     records = {}
-    for run in store.finished_runs(root):
-        try:
-            records[run.name] = {"run_id": run.name, "state": "done", **store.read_meta(run)}
-        except (OSError, ValueError) as err:
-            records[run.name] = {"run_id": run.name, "state": "corrupt", "error": f"meta.json: {err}"}
+    for run in store.published_runs(root):
+        records[run.name] = published_record(run)
     status_dir = root / store.STATUS
     running = []
     for path in sorted(status_dir.glob("*.json")) if status_dir.exists() else []:
@@ -71,6 +95,43 @@ def run_states(root: Path) -> list[dict]:
         if not _alive(record, queued):
             record["state"] = "stale"
     return list(records.values())
+
+
+def rerun_command(root: Path, record: dict) -> str:
+    """The command that runs a run of ``root`` again: ``python -m kvbench`` with the overrides it was started
+    with (the runner records them), else with its saved config.yaml; "" when neither is known. An unreadable
+    published run is not finished, so the command runs it again (its copy is kept as ``<run_id>.prev``)."""
+    overrides = record.get("overrides")
+    if isinstance(overrides, list):
+        # budget=0.2 as typed: the command line quotes budget choices itself (__main__.quote_numeric_choices)
+        typed = [re.sub(r"^budget='([^']*)'$", r"budget=\1", str(o)) for o in overrides]
+        kept = [o for o in typed if not o.lstrip("+~").startswith("results_root=")]
+        return "python -m kvbench " + shlex.join([*kept, f"results_root={root}"])
+    config = store.run_dir(root, record["run_id"]) / "config.yaml"
+    if config.is_file() and config.stat().st_size:
+        return (f"python -m kvbench --config-path {shlex.quote(str(config.parent))} --config-name config "
+                + shlex.quote(f"results_root={root}"))
+    return ""
+
+
+def what_to_do(root: Path, record: dict) -> str:
+    """The fix for a run that is not done: the command that runs it again, or its sweep."""
+    command = rerun_command(root, record)
+    return f"run it again: {command}" if command else "run its sweep again (finished points are skipped)"
+
+
+def published_record(run: Path) -> dict:
+    """A published run's record: its meta.json (as far as it reads) with state "done", or "corrupt" and the
+    reason it does not read back as ``error``."""
+    reason = store.unreadable(run)
+    try:
+        meta = store.read_meta(run)
+    except (OSError, ValueError):
+        meta = {}
+    record = {**meta, "run_id": run.name, "state": "corrupt" if reason else "done"}
+    if reason:
+        record["error"] = reason
+    return record
 
 
 def _alive(record: dict, queued: set[str] | None) -> bool:
@@ -117,7 +178,7 @@ def overlapping_runs(root: Path, rid: str, device_id: str, start: float, end: fl
             continue
         if record["state"] == "done":
             began, ended = (_epoch(record.get(k)) for k in ("start", "end"))
-        elif record["state"] in ("running", "failed"):
+        elif record["state"] in ("running", "failed", "interrupted"):
             began = record.get("start", record["time"])
             ended = time.time() if record["state"] == "running" else record["time"]
         else:

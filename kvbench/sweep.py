@@ -12,7 +12,8 @@ the model, the task and its samples once, prefills each prompt once for all its 
 the points (``batch_size`` slots each, continuous batching: one forward pass per step for every point's rows);
 each point's rows are scored and the point is written as if it had run alone (``runner.publish``: its run id,
 run dir, status record). A point that fails (its method, its config) fails alone; if the group itself fails,
-its unpublished points run again one by one.
+its unpublished points run again one by one. A full disk stops the group (its unpublished points are not
+run), and Ctrl-C records its unpublished points as interrupted, as for points run alone.
 
 Memory: a point holds ``batch_size`` rows at most; the slots shrink to what the memory budget (``sweep.memory_gb``)
 holds for every point, and when one slot of every point does not fit, the points are split into chunks, each
@@ -35,13 +36,14 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
-from kvbench import models, store
+from kvbench import models, status, store
 from kvbench.attention import attach
 from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest
 from kvbench.engine import Engine, Generation, _sync
 from kvbench.memory import PeakMemory
-from kvbench.runner import (FULL, Point, build_engine, build_method, build_task, execute, load_samples,
-                            mark_failed, open_point, prepare, progress_bar, publish, result_config)
+from kvbench.errors import disk_full, disk_full_line
+from kvbench.runner import (FULL, Point, announce, build_engine, build_method, build_task, execute, load_samples,
+                            mark_ended, open_point, prepare, progress_bar, publish, result_config)
 from kvbench.shared_prefill import prefill_points
 from kvbench.tasks.base import GenerationCall, generation_calls
 
@@ -82,9 +84,11 @@ def group_points(cfgs: list[DictConfig]) -> list[list[int]]:
     return groups
 
 
-def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | None = None) -> list[tuple[str, str]]:
-    """Run one group of points (resolved configs, each with its Hydra job dir or None); returns each point's
-    outcome for the sweep summary: (done | skipped | failed, detail)."""
+def run_group(points: list[tuple[DictConfig, Path | None, list[str] | None]],
+              memory_gb: float | None = None) -> list[tuple[str, str]]:
+    """Run one group of points (resolved configs, each with its Hydra job dir and command-line overrides, or
+    None); returns each point's outcome for the sweep summary: (done | skipped | failed | not run, detail).
+    A full disk stops the group as it stops a sweep: the points not yet published are not run."""
     from kvbench.__main__ import print_metrics
 
     outcomes, opened = _open(points)
@@ -97,41 +101,48 @@ def run_group(points: list[tuple[DictConfig, Path | None]], memory_gb: float | N
             log.exception("fused group of %d points failed; its unpublished points run one by one", len(opened))
             failures.clear()
         except BaseException as err:
-            for _, point in opened:
-                if point.rid not in published:
-                    mark_failed(point, err)
+            with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
+                for _, point in opened:
+                    if point.rid not in published:
+                        mark_ended(point, err)
             raise
+    disk_is_full = False
     for index, point in opened:
-        if point.rid in failures:
-            outcomes[index] = _failed(failures[point.rid])
+        if disk_is_full and point.rid not in published:
+            status.clear(point.root, point.rid)
+            outcomes[index] = ("not run", "")
             continue
         try:
+            if point.rid in failures:
+                raise failures[point.rid]
             run_dir = published.get(point.rid) or execute(point)
-        except Exception as err:  # noqa: BLE001 - recorded by execute; the group goes on
-            log.exception("run %s failed", point.rid)
-            outcomes[index] = _failed(err)
+        except Exception as err:  # noqa: BLE001 - recorded by execute (or the group); the group goes on
+            if point.rid not in failures:
+                log.exception("run %s failed", point.rid)
+            outcomes[index] = _failed(err, point.root)
+            disk_is_full = disk_full(err) is not None
             continue
         print_metrics(run_dir)
         outcomes[index] = ("done", str(run_dir))
     return outcomes
 
 
-def _open(points: list[tuple[DictConfig, Path | None]]) -> tuple[list, list[tuple[int, Point]]]:
+def _open(points: list[tuple[DictConfig, Path | None, list[str] | None]]) -> tuple[list, list[tuple[int, Point]]]:
     """Each point's outcome where it needs no run (finished before, a repeat of an earlier point's run id, a bad
     config), and the others opened (``runner.open_point``: checked, marked running) with their index."""
     outcomes: list[tuple[str, str] | None] = [None] * len(points)
     opened: list[tuple[int, Point]] = []
     seen: set[str] = set()
-    for index, (cfg, hydra_dir) in enumerate(points):
+    for index, (cfg, hydra_dir, overrides) in enumerate(points):
         rid = store.run_id(result_config(cfg))
         if rid in seen:
             outcomes[index] = ("skipped", "the same run as an earlier point of its group")
             continue
         seen.add(rid)
         try:
-            point = open_point(cfg, hydra_dir)
+            point = open_point(cfg, hydra_dir, overrides)
         except Exception as err:  # noqa: BLE001 - a bad point fails alone
-            outcomes[index] = _failed(err)
+            outcomes[index] = _failed(err, cfg.results_root)
             continue
         if point is None:
             outcomes[index] = ("skipped", "finished before")
@@ -140,8 +151,10 @@ def _open(points: list[tuple[DictConfig, Path | None]]) -> tuple[list, list[tupl
     return outcomes, opened
 
 
-def _failed(err: Exception) -> tuple[str, str]:
-    return "failed", f"{type(err).__name__}: {err}"
+def _failed(err: Exception, root) -> tuple[str, str]:
+    """A failed point's outcome: its error in one line (a full disk's says what to do, as for a run alone)."""
+    full = disk_full(err)
+    return "failed", f"{type(err).__name__}: {err}" if full is None else f"DiskFull: {disk_full_line(full, root)}"
 
 
 def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str, Path],
@@ -182,12 +195,20 @@ def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str
             _fail(point, error, failures)
             continue
         rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
-        published[point.rid] = publish(point, task, rows, wall, len(samples), device, group)
+        try:
+            written = publish(point, task, rows, wall, len(samples), engines[point.rid], group)
+        except OSError as err:
+            if disk_full(err) is None:
+                raise
+            _fail(point, err, failures)
+            return  # a full disk: the points after it are not run (``run_group``)
+        published[point.rid] = written[0]
+        announce(point, *written)
 
 
 def _fail(point: Point, err: Exception, failures: dict[str, Exception]) -> None:
     log.error("run %s failed in its fused group: %s: %s", point.rid, type(err).__name__, err, exc_info=err)
-    mark_failed(point, err)
+    mark_ended(point, err)
     failures[point.rid] = err
 
 
@@ -206,7 +227,7 @@ def fused_generate(engines: list[Engine], call: GenerationCall, batch_size: int 
     error of an engine that failed; ``finished`` is called as each row finishes."""
     generations: list = [None] * len(engines)
     sizes = [_row_bytes(engine, call) for engine in engines]
-    with PeakMemory(engines[0].device) as peak:
+    with PeakMemory(engines[0].device, baseline=engines[0].weight_bytes) as peak:
         for chunk in _chunks(sizes, memory):
             slots = _slots(batch_size, len(set(map(tuple, call.contexts))), sum(sizes[i] for i in chunk), memory,
                            engines[0].device)

@@ -4,6 +4,7 @@ table of per-sample predictions. ``logger.mode=offline`` writes ``<dir>/wandb/of
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -89,6 +90,9 @@ def check_config(logger_cfg) -> None:
     limit = logger_cfg.get("max_prediction_rows")
     if limit is not None and (not isinstance(limit, int) or limit < 0):
         raise ConfigError(f"logger.max_prediction_rows={limit} must be an integer >= 0 (or null for all rows)")
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logger=wandb needs the wandb package, which is not installed (pip install wandb); "
+                          "logger=none runs without it")
 
 
 def log_to_wandb(logger_cfg, config: dict, metrics: pd.DataFrame, predictions: pd.DataFrame, run_dir: Path) -> bool:

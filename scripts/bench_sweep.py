@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         for cfg in points(overrides, alone_root):
             if args.alone == "all" or runner.method_name(cfg) in args.alone.split(","):
                 runner.run(cfg)
-        group = [(cfg, None) for cfg in points(overrides, fused_root)]
+        group = [(cfg, None, None) for cfg in points(overrides, fused_root)]
         outcomes = sweep.run_group(group, memory_gb=group[0][0].sweep.memory_gb)
         failed = [detail for state, detail in outcomes if state == "failed"]
         if failed:

@@ -27,6 +27,8 @@ GPU_TARGETS = [
      (False, None)),
     ("graphs: full TPOT / plain generate", ("full",), "ratio.full_vs_bare.tpot_seconds", 0.67, "<=", (32768,),
      LATENCY, (True, None)),
+    ("graphs: full bytes-read bound / TPOT", ("full",), "full.bound_fraction", 0.70, ">=", (32768,), LATENCY,
+     (True, None)),
     ("graphs: TPOT / kvbench full", "all", "ratio.method_vs_full.tpot_seconds", 0.85, "<=", (65536,), LATENCY,
      (True, None)),
     ("TTFT / kvbench full", "all", "ratio.method_vs_full.ttft_seconds", 1.25, "<=", (32768,), LATENCY,

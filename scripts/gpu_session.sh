@@ -1,42 +1,67 @@
 #!/usr/bin/env bash
 # The steps a GPU session runs, from the repository root, on a machine whose image has torch, triton,
-# transformers, pandas, pyarrow (see results/gpu/*/README.md), with wheels of hydra-core, omegaconf and
-# antlr4-python3-runtime in .whl/:
+# transformers, pandas, pyarrow, ... (scripts/gpu_image_packages.txt) and whose other kvbench dependencies travel
+# as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests; bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
-# Every step appends to $OUT/session.log; `pack` tars /tmp/gpu (all outputs) into $OUT/gpu.tar.gz.
+#   bash $s setup; bash $s tests; bash $s e2e; bash $s decode --methods A,B ...; bash $s grid --models M \
+#       --methods A,B --lengths 32768 ...; bash $s pack
+# Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
+# GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
+# KVBENCH_KERNEL_TESTS (default cuda) let a machine without a GPU rehearse the steps.
 set -u
 step=$1
 shift
-work=/tmp/gpu
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+work=${GPU_WORK:-/tmp/gpu}
+site=${GPU_SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$site:$PWD
 mkdir -p $work
 exec > >(tee -a $OUT/session.log) 2>&1
 echo "== $step $* ($(date -u +%T))"
 
 case $step in
-setup)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+setup)  # every wheel in .whl/, then the versions, and the wheels' requirements and every kvbench module checked
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 -c "import sys,torch,triton,transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-    python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)"; } > $work/env.txt 2>&1
+    python3 -c "import sys,torch,triton,transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+    python3 -c "import flash_attn; print('flash_attn', flash_attn.__version__)"
+    python3 scripts/gpu_wheels.py --check $site; echo "setup check rc=$?"; } > $work/env.txt 2>&1
   cat $work/env.txt ;;
-tests)  # compiled kernels against the torch references, CUDA graphs against eager steps, no sync in a step
-  KVBENCH_KERNEL_TESTS=cuda timeout 300 python3 -m pytest -q tests/kernels -p no:cacheprovider -m "slow or not slow" \
-    -rs --junitxml=$work/kernel_tests.xml > $work/kernel_tests.log 2>&1
-  echo "kernel tests rc=$?"; grep -E "FAILED|passed|failed|Error" $work/kernel_tests.log
-  timeout 300 python3 -m pytest -q tests/test_cuda_decode.py -p no:cacheprovider -rs \
-    --junitxml=$work/cuda_decode.xml > $work/cuda_decode.log 2>&1
-  echo "cuda decode tests rc=$?"; grep -E "FAILED|passed|failed|Error" $work/cuda_decode.log ;;
+tests)  # the fast suite with the CUDA tests on (Triton kernels compiled against the torch references, CUDA graphs
+        # against eager steps, no sync in a step), then the slow kernel tests (every method on both backends)
+  export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -rs --junitxml=$work/tests.xml > $work/tests.log 2>&1
+  echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $work/tests.log
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m slow tests/kernels --junitxml=$work/kernel_slow.xml \
+    > $work/kernel_slow.log 2>&1
+  echo "slow kernel tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $work/kernel_slow.log ;;
+e2e)    # tasks end to end on a GPU model (default llama3.1-8b-shape-random): NIAH, LongBench on its bundled samples,
+        # a 2-point -m sweep (passkey), status and the report; one log per run
+  model=${1:-llama3.1-8b-shape-random}
+  root=$work/e2e
+  run() {  # name, then kvbench arguments
+    local name=$1; shift
+    timeout 180 python3 -m kvbench "$@" results_root=$root > $work/e2e_$name.log 2>&1
+    echo "$name rc=$? $(grep -cE '^│' $work/e2e_$name.log) table rows"; grep -E "Error|kvbench sweep" $work/e2e_$name.log
+  }
+  run niah model=$model method=snapkv budget=0.2 task=niah
+  run longbench model=$model method=pyramidkv budget=0.2 task=longbench task.source=sample
+  run sweep -m model=$model method=full,h2o budget=0.2 task=passkey
+  python3 -c 'import sys; from kvbench.cli import status; sys.exit(status(sys.argv[1:]))' $root
+  python3 -m kvbench.report --root $root --out $work/e2e_report 2>&1 | tail -2 ;;
 bench)  # kernel timings, torch vs Triton
   timeout 150 python3 -m kvbench.bench kernels --device cuda --head-dim 128 --repeats 5 --max-seconds 2 --out $work/bench \
     2>&1 | tail -40 ;;
+decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host gap, points in one step
+  timeout 560 python3 -m scripts.bench_decode_loop "$@" 2>&1 | tee $work/decode_loop.md | grep -vE "^Loading" ;;
+prefill)  # every method's prompt compression on one Llama-3.1-8B-shaped layer beside the layer (16k, 32k)
+  timeout 240 python3 scripts/bench_prefill.py --profile "$@" > $work/bench_prefill.log 2>&1
+  echo "bench_prefill rc=$?"; grep -E "^\|" $work/bench_prefill.log ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 targets)
   python3 scripts/efficiency_targets.py --root $work/eff --profile gpu --out $work/targets.md ;;
 pack)
-  tar czf $OUT/gpu.tar.gz -C /tmp gpu; ls -la $OUT ;;
+  tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, bench, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, prefill, grid, targets, pack"; exit 2 ;;
 esac

@@ -1,9 +1,14 @@
-"""Where a decode step's time goes: the CUDA kernels of a few steps, eager and replayed as a CUDA graph.
+"""Where a decode step's time goes: the CUDA kernels of a few steps, eager, replayed as a CUDA graph, and
+replayed with the decoder layers compiled (``engine.compile``), in one run.
 
-    python scripts/profile_decode.py --model llama3.1-8b-shape-random --methods full,h2o --length 32768
+    python scripts/profile_decode.py --model llama3.1-8b-shape-random --methods full --length 32768
 
-Prints, per method and mode, the step time and the kernels that take most of it (count per step, total
-microseconds per step), from torch.profiler's CUDA activity (CUPTI also sees kernels inside graph replays).
+Prints, per method and mode, the step time (host included), the GPU time and kernel count per step by
+category (GEMM, attention, cache write/eviction, elementwise fused by compile, elementwise from aten, other),
+the kernels that take most of it (count per step, microseconds per step), from torch.profiler's CUDA activity
+(CUPTI also sees kernels inside graph replays), and the step's bytes-read bound (weights + the K+V bytes the
+step reads, at the measured copy bandwidth) with the achieved fraction: bound / step time, and bound / GPU
+time (the step without the host's share).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvbench.__main__ import CONF_DIR
 from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.graphs import DecodeGraph
+from kvbench.hardware import copy_bandwidth, parameter_bytes_read, tpot_bound_seconds
 
 
 def configs(model: str, method: str):
@@ -65,35 +71,75 @@ def steps(step, count: int) -> float:
     return (time.perf_counter() - start) / count
 
 
-def kernel_table(prof, count: int, top: int) -> list[str]:
+# kernel name fragments (lower case) per category; the first category that matches wins
+CATEGORIES = (
+    ("attention", ("_decode_partials", "_decode_combine", "_chunk_fwd", "_attention_fwd", "flash", "fmha",
+                   "attention")),
+    ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "matmul")),
+    ("cache write / eviction", ("_append", "_evict", "_move", "_select", "_merge")),
+    ("elementwise, fused (compile)", ("triton_poi", "triton_red", "triton_per")),
+    ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "copy", "fill", "scatter", "gather", "index",
+                            "cat", "softmax", "arange", "where")),
+)
+MODES = {"eager": (False, False), "graphs": (True, False), "graphs+compile": (True, True)}  # (graphs, compile)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((label for label, parts in CATEGORIES if any(part in name for part in parts)), "other")
+
+
+def kernel_table(prof, count: int, top: int) -> tuple[list[str], float, float]:
+    """Lines of the per-category and top-kernel tables; GPU milliseconds and kernels per step."""
     totals, calls = defaultdict(float), defaultdict(int)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] += event.device_time_total
             calls[event.name] += 1
-    total = sum(totals.values()) / count
-    lines = [f"    kernels: {sum(calls.values()) / count:.0f} per step, {total:.0f} us of GPU time per step"]
+    gpu_ms, kernels = sum(totals.values()) / count / 1e3, sum(calls.values()) / count
+    lines = [f"    GPU {gpu_ms:.2f} ms in {kernels:.0f} kernels per step"]
+    by_category, count_by_category = defaultdict(float), defaultdict(int)
+    for name, us in totals.items():
+        by_category[category(name)] += us
+        count_by_category[category(name)] += calls[name]
+    for label, us in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {us / count / 1e3:8.3f} ms  x{count_by_category[label] / count:6.0f}  {label}")
+    lines.append("    top kernels:")
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {us / count:8.1f} us  x{calls[name] / count:5.1f}  {name[:110]}")
-    return lines
+    return lines, gpu_ms, kernels
 
 
 def main() -> None:
-    args, _, lm, prompt = setup(argparse.ArgumentParser(), steps=8, top=18)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    args, _, lm, prompt = setup(parser, steps=8, top=18)
+    bandwidth = copy_bandwidth(lm.model.device)
+    summary = []
     for name in args.methods.split(","):
         _, method = configs(args.model, name)
-        for graphs in (False, True):
-            engine = Engine(lm.model, method, Budget("fraction", args.budget), cuda_graphs=graphs)
+        for mode in args.modes.split(","):
+            graphs, compiled = MODES[mode]
+            engine = Engine(lm.model, method, Budget("fraction", args.budget), cuda_graphs=graphs, compile=compiled)
             session = engine.prefill([prompt], max_new_tokens=4 * args.steps + 8)
             step = stepper(session, graphs)
             steps(step, args.steps)  # warm-up: compile, capture
             seconds = steps(step, args.steps)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 steps(step, args.steps)
-            print(f"== {name} {'graphs' if graphs else 'eager'}: {seconds * 1e3:.2f} ms per step")
-            print("\n".join(kernel_table(prof, args.steps, args.top)), flush=True)
+            kv_bytes = float(session.cache.row_bytes().sum())
+            bound = tpot_bound_seconds(parameter_bytes_read(lm.model, 1), kv_bytes, bandwidth)
+            lines, gpu_ms, kernels = kernel_table(prof, args.steps, args.top)
+            print(f"== {name} {mode}: {seconds * 1e3:.2f} ms per step (host included); bytes-read bound "
+                  f"{bound * 1e3:.2f} ms at {bandwidth / 1e12:.2f} TB/s: achieved fraction {bound / seconds:.2f}")
+            print("\n".join(lines), flush=True)
+            summary.append(f"  {name:>12} {mode:>15} {seconds * 1e3:8.2f} {gpu_ms:8.2f} {kernels:8.0f} "
+                           f"{bound * 1e3:8.2f} {bound / seconds:9.2f} {bound * 1e3 / max(gpu_ms, 1e-9):9.2f}")
             del session, step
             torch.cuda.empty_cache()
+    print(f"  {'method':>12} {'mode':>15} {'step ms':>8} {'GPU ms':>8} {'kernels':>8} {'bound ms':>8} {'fraction':>9} "
+          f"{'of GPU':>9}")
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,32 @@ CONF = REPO / "conf"
 # handler, and absl's (imported with rouge_score) then closes its stream, pytest's capture, when sys.stderr
 # is redirected at that moment. These overrides leave logging alone.
 KEEP_LOGGING = ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def pythonpath_with_repo() -> str:
+    """PYTHONPATH for a subprocess that must import this checkout's kvbench: the repository first, then the
+    caller's entries (on the GPU machine they hold the dependencies carried as wheels)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full_disk: runs out of space on a small tmpfs (root with mount rights) "
+                                       "or by injected ENOSPC (tests/full_disk.py)")
+
+
+def kvbench_command(args: list[str], monkeypatch) -> tuple[int, str, str]:
+    """``kvbench ARGS`` in this process, Hydra's logging left alone: (exit status, stdout, stderr)."""
+    from kvbench.__main__ import entry
+
+    monkeypatch.setattr(sys, "argv", ["kvbench", *args, *KEEP_LOGGING])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            entry()
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
 
 
 def tiny_model_config(**overrides):

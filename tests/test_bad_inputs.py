@@ -1,4 +1,4 @@
-"""43 kinds of bad input, one per row: the command-line arguments, a fragment of the one-line error and the
+"""46 kinds of bad input, one per row: the command-line arguments, a fragment of the one-line error and the
 exit status. Every config group and top-level key has a row. Each case runs the real entry point in this
 process (fast); ``test_the_console_command_exits_2`` checks one through a subprocess, as a shell sees it.
 
@@ -6,8 +6,6 @@ After every case nothing under the results root looks finished."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -15,8 +13,7 @@ import sys
 import pytest
 
 from kvbench import store
-from kvbench.__main__ import entry
-from tests.conftest import KEEP_LOGGING, REPO
+from tests.conftest import REPO, kvbench_command
 
 LONGBENCH = ["task=longbench", "task.datasets=[trec]", "task.source=local"]
 FIXTURE = REPO / "kvbench" / "data" / "longbench" / "sample" / "trec.jsonl"
@@ -54,6 +51,11 @@ CASES = [
     (["method=chelsea", "method.chunk_size=abc"], "method.chunk_size='abc' must be an integer or null", 2),
     (["method.pooling=avg"], "snapkv: pooling='avg'; accepted: max, mean", 2),
     (["++method.decode_interval=0"], "snapkv: decode_interval=0 must be >= 1", 2),
+    (["method._target_=collections.OrderedDict"], "method._target_='collections.OrderedDict' is not a subclass of "
+     "kvbench.methods.base.Method; accepted: a kvbench.methods.base.Method dataclass, as the method choices name "
+     "(method=NAME: cam, chelsea", 2),
+    (["method._target_=builtins.print"], "method._target_='builtins.print' is a builtin_function_or_method, not a "
+     "class; accepted: a kvbench.methods.base.Method dataclass", 2),
     # budget
     (["budget=0.3"], "unknown budget '0.3'; accepted: 0.1, 0.2, 0.35, 0.5, 1.0", 2),
     (["budget.value=1.5"], "budget fraction 1.5 is outside (0, 1]", 2),
@@ -66,6 +68,7 @@ CASES = [
     (["task=longbench", "task.source=cloud"], "unknown task.source 'cloud'; accepted: hub, local, sample", 2),
     (LONGBENCH, "task.source=local needs task.data_dir=DIR", 2),
     ([*LONGBENCH, "task.data_dir=/nonexistent"], "found in /nonexistent", 2),
+    (["-m", "method=h2o,snapkv", *LONGBENCH, "task.data_dir=/nonexistent/lb"], "found in /nonexistent/lb", 2),
     ([*LONGBENCH, "task.data_dir={data}/corrupt"], "corrupt/trec.jsonl line 3 is not JSON", 2),
     ([*LONGBENCH, "task.data_dir={data}/no_input"], "no_input/trec.jsonl record 0 has no field 'input'; its fields:", 2),
     ([*LONGBENCH, "task.data_dir={data}/empty"], "empty/trec.jsonl holds no records", 2),
@@ -95,19 +98,12 @@ def data(tmp_path_factory):
 
 def call(args: list[str], monkeypatch) -> tuple[int, list[str]]:
     """Run ``kvbench ARGS`` in this process: (exit status, stderr lines)."""
-    monkeypatch.setattr(sys, "argv", ["kvbench", *args, *KEEP_LOGGING])
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            entry()
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-    return code, err.getvalue().splitlines()
+    code, _, err = kvbench_command(args, monkeypatch)
+    return code, err.splitlines()
 
 
-def test_the_table_has_45_cases_and_covers_every_group_and_top_level_key():
-    assert len(CASES) == 45
+def test_the_table_has_48_cases_and_covers_every_group_and_top_level_key():
+    assert len(CASES) == 48
     keys = {a.lstrip("+~").partition("=")[0].split(".")[0] for args, _, _ in CASES for a in args if "=" in a}
     assert {"model", "method", "budget", "task", "logger", "kernels", "hydra/launcher", "experiment"} <= keys
     assert {"seed", "batch_size", "limit", "position_mode", "skip_finished", "results_root", "engine"} <= keys

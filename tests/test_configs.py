@@ -66,9 +66,7 @@ def test_task_runs_end_to_end_on_the_tiny_model(name, tmp_path):
     assert isinstance(task, Task)
     run_dir = runner.run(cfg)
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
-    # A tiny model on CPU may grow the RSS by 0 bytes: a memory ratio 0/0 is honestly NaN, nothing else may be.
-    defined = metrics[~metrics["metric"].str.contains("peak_memory")]
-    assert len(metrics) > 0 and defined["value"].notna().all()
+    assert len(metrics) > 0 and metrics["value"].notna().all()
     assert (metrics["task"] == task.name).all()  # longbench_e is the longbench task with variant e
     predictions = pd.read_parquet(run_dir / "predictions.parquet")
     assert metrics["mode"].notna().all() and predictions["mode"].notna().all()  # the query mode in every row

@@ -93,6 +93,19 @@ def test_generate_decodes_more_prompts_than_its_batch_size(tiny_model):
         assert got.prompt_length == len(prompt) and got.batch_size == 2
 
 
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "d2o"])
+def test_rows_with_suffixes_join_a_batch_of_steady_rows_as_alone(tiny_model, name):
+    """A row fed a suffix after its compression joins over budget by more than one slot: its first step
+    compresses it alone (``Method.compress`` on that row) while the others evict in place."""
+    engine = Engine(tiny_model, build(name), Budget("tokens", 12), batch_size=2)
+    contexts = random_prompts([50, 31, 44], tiny_model.config.vocab_size, seed=11)
+    suffixes = random_prompts([5, 3, 7], tiny_model.config.vocab_size, seed=12)
+    with use_backend("torch"):
+        together = engine.generate(contexts, 8, set(), suffixes=suffixes)
+        rows = [engine.generate([c], 8, set(), suffixes=[s])[0] for c, s in zip(contexts, suffixes)]
+    assert [g.tokens for g in together] == [g.tokens for g in rows]
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_steady_batch_step_never_waits_for_the_device(tiny_model, name):
     """Once its rows are steady, a step (launch and the reading of its tokens) reads nothing back from the

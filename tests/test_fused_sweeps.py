@@ -20,7 +20,8 @@ METHODS = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "cam", 
 TIMING_PREDICTIONS = {"prefill_seconds", "compress_seconds", "decode_seconds", "decode_compress_seconds",
                       "tpot_seconds", "peak_memory_bytes", "peak_memory_above_weights_bytes", "fused_group_size"}
 TIMING_METRICS = TIMING_PREDICTIONS | {"wall_seconds", "process_peak_memory_bytes", "ttft_seconds"}
-TIMING_META = {"start", "end", "kernels_ran"}
+# meta.json keys of when and how it ran, and its files' sizes (the results root's path, timings' bytes)
+TIMING_META = {"start", "end", "kernels_ran", "files"}
 SMALL = ["task.context_lengths=[160]", "task.depths=[0,50,100]", "batch_size=2"]
 
 
@@ -88,7 +89,7 @@ def fused_and_alone(tmp_path, points: list[list[str]]):
     alone = [runner.run(point(tmp_path / "alone", *p)) for p in points]
     cfgs = [point(tmp_path / "fused", *p) for p in points]
     assert sweep.group_points(cfgs) == [list(range(len(points)))]
-    outcomes = sweep.run_group([(cfg, None) for cfg in cfgs], memory_gb=None)
+    outcomes = sweep.run_group([(cfg, None, None) for cfg in cfgs], memory_gb=None)
     assert [state for state, _ in outcomes] == ["done"] * len(points), outcomes
     return alone, [store.run_dir(tmp_path / "fused", rid) for rid in (run_dir.name for run_dir in alone)]
 
@@ -132,7 +133,7 @@ def test_a_small_memory_budget_splits_the_points_into_passes_with_the_same_resul
     monkeypatch.setattr(sweep, "_decode_together", lambda engines, *args: calls.append(len(engines)) or
                         real(engines, *args))
     cfgs = [point(tmp_path, f"method={m}") for m in ("full", "h2o", "tova")]
-    assert [s for s, _ in sweep.run_group([(cfg, None) for cfg in cfgs], memory_gb=1e-9)] == ["done"] * 3
+    assert [s for s, _ in sweep.run_group([(cfg, None, None) for cfg in cfgs], memory_gb=1e-9)] == ["done"] * 3
     assert calls and set(calls) == {1}  # every chunk holds one point
     alone = runner.run(point(tmp_path / "alone", "method=h2o"))
     fused = store.run_dir(tmp_path, alone.name)
@@ -150,7 +151,7 @@ def test_a_point_that_fails_in_its_group_fails_alone_and_resumes_alone(tmp_path,
 
     monkeypatch.setattr(TOVA, "compress", broken)
     cfgs = [point(tmp_path, f"method={m}") for m in ("full", "tova", "h2o")]
-    outcomes = sweep.run_group([(cfg, None) for cfg in cfgs])
+    outcomes = sweep.run_group([(cfg, None, None) for cfg in cfgs])
     assert [s for s, _ in outcomes] == ["done", "failed", "done"] and "tova broke" in outcomes[1][1]
     fused = pd.read_parquet(tmp_path / "metrics.parquet")
     assert set(fused["fused_group_size"]) == {3}, "the others finished in their group"
@@ -159,24 +160,24 @@ def test_a_point_that_fails_in_its_group_fails_alone_and_resumes_alone(tmp_path,
     finished = {d.name: (d / "meta.json").stat().st_mtime_ns for d in store.finished_runs(tmp_path)}
 
     monkeypatch.undo()
-    outcomes = sweep.run_group([(cfg, None) for cfg in cfgs])
+    outcomes = sweep.run_group([(cfg, None, None) for cfg in cfgs])
     assert [s for s, _ in outcomes] == ["skipped", "done", "skipped"]
     for name, stamp in finished.items():
         assert (store.run_dir(tmp_path, name) / "meta.json").stat().st_mtime_ns == stamp, "finished point redone"
 
 
-def test_an_interrupted_group_leaves_every_unfinished_point_failed_and_runs_them_again(tmp_path, monkeypatch):
+def test_an_interrupted_group_leaves_every_unfinished_point_interrupted_and_runs_them_again(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sweep, "prefill_points", interrupt)
     cfgs = [point(tmp_path, f"method={m}") for m in ("full", "snapkv")]
     with pytest.raises(KeyboardInterrupt):
-        sweep.run_group([(cfg, None) for cfg in cfgs])
-    assert sorted(r["state"] for r in status.run_states(tmp_path)) == ["failed", "failed"]
+        sweep.run_group([(cfg, None, None) for cfg in cfgs])
+    assert sorted(r["state"] for r in status.run_states(tmp_path)) == ["interrupted", "interrupted"]
     assert not store.finished_runs(tmp_path)
     monkeypatch.undo()
-    assert [s for s, _ in sweep.run_group([(cfg, None) for cfg in cfgs])] == ["done", "done"]
+    assert [s for s, _ in sweep.run_group([(cfg, None, None) for cfg in cfgs])] == ["done", "done"]
     assert sorted(r["state"] for r in status.run_states(tmp_path)) == ["done", "done"]
 
 
@@ -184,7 +185,7 @@ def test_repeated_run_ids_run_once(tmp_path):
     """The full cache ignores the budget: a budget sweep holds it twice."""
     cfgs = [point(tmp_path, "method=full", "budget='0.2'"), point(tmp_path, "method=full", "budget='0.5'"),
             point(tmp_path, "method=tova")]
-    outcomes = sweep.run_group([(cfg, None) for cfg in cfgs])
+    outcomes = sweep.run_group([(cfg, None, None) for cfg in cfgs])
     assert [s for s, _ in outcomes] == ["done", "skipped", "done"]
     assert len(store.finished_runs(tmp_path)) == 2
 
@@ -215,6 +216,36 @@ def test_a_sweep_fuses_by_default_and_the_switch_runs_every_point_alone(tmp_path
     hydra_dirs = sorted(p.parent.parent for p in (tmp_path / "fused" / "_hydra").rglob(".hydra/config.yaml"))
     assert len(hydra_dirs) == 6, "every point has its Hydra job dir"
     assert len([d for d in hydra_dirs if (d / "metrics.parquet").exists()]) == 5, "and its results in it"
+
+
+def test_ctrl_c_in_a_fused_group_interrupts_its_points_and_the_same_command_resumes(tmp_path, monkeypatch):
+    """The sequential launcher: the group that ran is done, the interrupted group's points are recorded as
+    interrupted with the command that re-runs each, and the same command runs only them."""
+    from tests.test_sweeps import RESUME, sweep as run_sweep
+
+    prefill = sweep.prefill_points
+    calls = []
+
+    def interrupt_second_group(*args, **kwargs):  # one prompt per group: the second call is the second group
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "prefill_points", interrupt_second_group)
+    args = [*SWEEP[:3], "task.depths=[0]", "method=full,h2o", "seed=1,2", f"results_root={tmp_path}"]
+    code, _, err = run_sweep(args, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 130 and not any("Traceback" in line for line in lines), err
+    assert "kvbench sweep: 4 points: 2 done, 0 skipped, 0 failed, 2 interrupted" in lines and lines[-1] == RESUME
+    records = {(r["method"], r["state"]) for r in status.run_states(tmp_path)}
+    assert records == {("full", "done"), ("h2o", "done"), ("full", "interrupted"), ("h2o", "interrupted")}
+    interrupted = [r for r in status.run_states(tmp_path) if r["state"] == "interrupted"]
+    assert all(status.what_to_do(tmp_path, r).endswith(f"method={r['method']} seed=2 results_root={tmp_path}")
+               for r in interrupted)
+    monkeypatch.undo()
+    code, out, _ = run_sweep(args, monkeypatch)
+    assert code == 0 and "kvbench sweep: 4 points: 2 done, 2 skipped, 0 failed" in out
 
 
 def test_the_local_launcher_runs_a_group_as_one_process(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvbench.budget import Budget
+from kvbench.cache import CompressedCache
 from kvbench.engine import Engine
 from kvbench.errors import ConfigError
 from kvbench.kernels.dispatch import use_backend
@@ -35,21 +36,18 @@ class RecordingH2O(H2O):
         return super().compress(layer, kv, stats, n_keep, phase)
 
 
-def cache_capacities_at_each_layer(model, engine: Engine, tokens: list[int]) -> list[list[int | None]]:
-    """For every decoder layer of the prompt pass: the storage capacity of every cache layer when it starts."""
-    seen, hooks = [], []
+def cache_capacities_at_each_layer(engine: Engine, tokens: list[int], monkeypatch) -> list[list[int | None]]:
+    """For every layer's cache write in the prompt pass (each decoder layer's attention, in order): the storage
+    capacity of every cache layer just before it. Observed through ``CompressedCache.update``, the one call
+    every layer makes, whatever keyword the model's layers take the cache by."""
+    seen, update = [], CompressedCache.update
 
-    def before(module, args, kwargs):
-        cache = kwargs["past_key_values"]
+    def recording_update(cache, key_states, value_states, layer_idx, *args, **kwargs):
         seen.append([None if layer.kv is None else layer.kv.capacity for layer in cache.layers])
+        return update(cache, key_states, value_states, layer_idx, *args, **kwargs)
 
-    for layer in model.model.layers:
-        hooks.append(layer.register_forward_pre_hook(before, with_kwargs=True))
-    try:
-        engine.prefill([tokens], max_new_tokens=0)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    monkeypatch.setattr(CompressedCache, "update", recording_update)
+    engine.prefill([tokens], max_new_tokens=0)
     return seen
 
 
@@ -64,15 +62,15 @@ def test_prompt_pass_computes_logits_of_the_last_position_only(tiny_model):
     assert session.logits.shape == (1, tiny_model.config.vocab_size)
 
 
-def test_each_layer_is_compressed_before_the_next_layer_runs(tiny_model):
+def test_each_layer_is_compressed_before_the_next_layer_runs(tiny_model, monkeypatch):
     engine = Engine(tiny_model, H2O(), Budget("tokens", 10))
     # layer 1 starts after layer 0 was compressed to its budget, not holding the 50 prompt tokens
-    assert cache_capacities_at_each_layer(tiny_model, engine, prompt(50, 200)) == [[None, None], [10, None]]
+    assert cache_capacities_at_each_layer(engine, prompt(50, 200), monkeypatch) == [[None, None], [10, None]]
 
 
-def test_a_method_whose_budgets_need_every_layer_compresses_after_the_pass(tiny_model):
+def test_a_method_whose_budgets_need_every_layer_compresses_after_the_pass(tiny_model, monkeypatch):
     engine = Engine(tiny_model, D2O(), Budget("tokens", 10))
-    assert cache_capacities_at_each_layer(tiny_model, engine, prompt(50, 200)) == [[None, None], [50, None]]
+    assert cache_capacities_at_each_layer(engine, prompt(50, 200), monkeypatch) == [[None, None], [50, None]]
 
 
 def test_chunked_prefill_sums_attention_over_every_prompt_query(tiny_model):

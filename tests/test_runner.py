@@ -102,5 +102,5 @@ def test_a_published_run_is_never_replaced_by_a_second_writer(tmp_path):
     first = store.write_run(tmp_path, "abc", "a: 1", frame, frame, {"writer": 1})
     second = store.write_run(tmp_path, "abc", "a: 1", frame, frame, {"writer": 2})
     assert first == second
-    assert json.loads((first / "meta.json").read_text()) == {"writer": 1}
+    assert store.read_meta(first)["writer"] == 1
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["abc"]  # the loser's temp dir is gone

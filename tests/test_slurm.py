@@ -142,17 +142,14 @@ def test_killed_job_is_redone_on_resubmission_and_finished_points_are_not(slurm_
 
 
 def test_a_point_failing_in_its_job_is_reported_without_hanging(slurm_env, tmp_path):
-    empty = tmp_path / "data"
-    empty.mkdir()
-    (empty / "trec.jsonl").write_text("")  # passes the checks before submission; fails when the job reads it
-    proc = subprocess.run(
-        sweep_command(tmp_path / "results", "method=full", "budget=0.2", "task.datasets=[trec]", "task.source=local",
-                      f"task.data_dir={empty}", task="longbench"),
+    proc = subprocess.run(  # passes the checks before submission; fails when the job builds the prompt
+        sweep_command(tmp_path / "results", "method=full", "budget=0.2", "task.context_lengths=[128]",
+                      "task.depths=[0]", "model.max_length=100"),
         env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "kvbench sweep: 1 points: 0 done, 0 skipped, 1 failed" in proc.stderr
-    assert "holds no records" in proc.stderr
+    assert "has max_length=100" in proc.stderr
     assert [s["state"] for s in status.run_states(tmp_path / "results")] == ["failed"]
 
 

@@ -26,21 +26,57 @@ def publish(root, rid: str, value: float = 1.0, **kwargs):
     return store.write_run(root, rid, "a: 1", predictions, metrics, {"run_id": rid, "state_note": value}, **kwargs)
 
 
-@pytest.mark.parametrize("damaged", ["metrics.parquet", "meta.json"])
-def test_a_corrupt_run_is_skipped_and_named_not_fatal(tmp_path, damaged, caplog, capsys):
+@pytest.mark.parametrize("damage", ["truncate metrics.parquet", "garbage meta.json", "remove predictions.parquet",
+                                    "truncate config.yaml", "append to metrics.parquet"])
+def test_a_run_that_does_not_read_back_is_corrupt_everywhere(tmp_path, damage, caplog, capsys):
+    """Status, collect and the skip check (is_finished) agree: the run is corrupt, in no table, and named."""
     publish(tmp_path, "good1")
     bad = publish(tmp_path, "bad")
-    (bad / damaged).write_bytes(b"\x00garbage")
+    verb, name = damage.split(" ")[0], damage.split(" ")[-1]
+    path = bad / name
+    if verb == "truncate":
+        os.truncate(path, 5)
+    elif verb == "garbage":
+        path.write_bytes(b"\x00garbage")
+    elif verb == "remove":
+        path.unlink()
+    else:
+        with open(path, "ab") as handle:
+            handle.write(b"tail")
     with caplog.at_level(logging.WARNING, logger="kvbench"):
         publish(tmp_path, "good2")  # a later run still collects
     assert sorted(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"]) == ["good1", "good2"]
-    assert "bad" in caplog.text
+    assert "bad" in caplog.text and name in caplog.text
     states = {r["run_id"]: r["state"] for r in status.run_states(tmp_path)}
-    assert states == {"good1": "done", "good2": "done", "bad": "done" if damaged == "metrics.parquet" else "corrupt"}
-    assert cli.status([str(tmp_path)]) == 0  # kvbench status does not break either
+    assert states == {"good1": "done", "good2": "done", "bad": "corrupt"}
+    assert not store.is_finished(tmp_path, "bad") and store.unreadable(bad).startswith(name)
+    assert [p.name for p in store.finished_runs(tmp_path)] == ["good1", "good2"]
+    assert store.stale_tables(tmp_path) is None  # the tables hold exactly the runs that read back
+    assert cli.status([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 corrupt" in out and "bad corrupt: run it again" in out
     assert cli.collect([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "skipped" in out and str(tmp_path / "runs" / "bad") in out
+    assert f"skipped {tmp_path / 'runs' / 'bad'}: {name}" in out and "run it again" in out
+
+
+def test_a_rerun_replaces_a_run_that_does_not_read_back_and_keeps_it(tmp_path):
+    first = publish(tmp_path, "abc", 1.0)
+    os.truncate(first / "metrics.parquet", 10)
+    publish(tmp_path, "abc", 2.0)  # not asked to replace, but the published run is unreadable
+    assert store.is_finished(tmp_path, "abc") and store.read_meta(first)["state_note"] == 2.0
+    assert store.unreadable(tmp_path / "runs" / f"abc{store.PREVIOUS}").startswith("metrics.parquet")
+    assert list(pd.read_parquet(tmp_path / "metrics.parquet")["value"]) == [2.0]
+
+
+def test_the_rerun_command_is_the_one_the_run_was_started_with(tmp_path):
+    record = {"run_id": "abc", "overrides": ["method=h2o", "budget='0.2'", "results_root=/elsewhere", "+x=a b"]}
+    assert status.rerun_command(tmp_path, record) == (
+        f"python -m kvbench method=h2o budget=0.2 '+x=a b' results_root={tmp_path}")
+    publish(tmp_path, "abc")  # a run without recorded overrides (started from Python): its saved config
+    assert status.rerun_command(tmp_path, {"run_id": "abc"}) == (
+        f"python -m kvbench --config-path {tmp_path / 'runs' / 'abc'} --config-name config results_root={tmp_path}")
+    assert status.what_to_do(tmp_path, {"run_id": "gone"}) == "run its sweep again (finished points are skipped)"
 
 
 def test_collect_rebuilds_what_a_full_disk_left_out(tmp_path, monkeypatch, caplog, capsys):
@@ -52,13 +88,17 @@ def test_collect_rebuilds_what_a_full_disk_left_out(tmp_path, monkeypatch, caplo
     monkeypatch.setattr(store, "_write_parquet", disk_full)
     with caplog.at_level(logging.WARNING, logger="kvbench"):
         publish(tmp_path, "second")  # published; the collected table could not be rewritten
-    monkeypatch.undo()
-    assert "kvbench collect" in caplog.text
+    assert "kvbench collect" in caplog.text and "No space left on device" in caplog.text
     assert list(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"]) == ["first"]
+    assert store.stale_tables(tmp_path) == "1 finished runs are missing from them"
+    assert cli.collect([str(tmp_path)]) == 2  # still full: one line, exit 2
+    assert capsys.readouterr().err.startswith("kvbench: error: the collected tables in")
+    monkeypatch.undo()
     cli.status([str(tmp_path)])
-    assert f"1 done runs are missing from {tmp_path / 'metrics.parquet'}" in capsys.readouterr().out
+    assert f"the collected tables in {tmp_path} are stale (1 finished runs" in capsys.readouterr().out
     assert cli.collect([str(tmp_path)]) == 0
     assert sorted(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"]) == ["first", "second"]
+    assert store.stale_tables(tmp_path) is None
 
 
 def test_stray_temp_files_are_cleaned(tmp_path):

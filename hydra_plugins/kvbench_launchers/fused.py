@@ -45,10 +45,12 @@ def run_group(hydra_context: HydraContext, config: DictConfig, points: list[tupl
     return returns
 
 
-def _resolved_point(cfg: DictConfig) -> tuple[DictConfig, Path]:
-    """The point's config resolved while its Hydra config is the current one, and its job dir."""
+def _resolved_point(cfg: DictConfig) -> tuple[DictConfig, Path, list[str]]:
+    """The point's config resolved while its Hydra config is the current one, its job dir and its command-line
+    overrides (``kvbench status`` names them in the command that re-runs it)."""
     OmegaConf.resolve(cfg)
-    return cfg, Path(HydraConfig.get().runtime.output_dir)
+    hydra = HydraConfig.get()
+    return cfg, Path(hydra.runtime.output_dir), list(hydra.overrides.task)
 
 
 class GroupJob:

@@ -11,14 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.similarity import unit_keys
 
 SIMILARITIES = ("key_value", "key", "value")
-
-
-def cosine_matrix(a: Tensor, b: Tensor) -> Tensor:
-    """(B, H, M, D) x (B, H, N, D) -> (B, H, M, N) cosine similarities in float32 (zero vectors -> 0)."""
-    return unit_keys(a) @ unit_keys(b).transpose(-1, -2)
 
 
 def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tensor, similarity: str) -> Tensor:
@@ -31,12 +27,61 @@ def redundancy(keys_a: Tensor, values_a: Tensor, keys_b: Tensor, values_b: Tenso
     """
     if similarity not in SIMILARITIES:
         raise ValueError(f"similarity '{similarity}'; accepted: {', '.join(SIMILARITIES)}")
-    if similarity == "value":
-        return cosine_matrix(values_a, values_b).clamp(min=0)
-    key = cosine_matrix(keys_a, keys_b).clamp(min=0)
-    if similarity == "key":
-        return key
-    return key * cosine_matrix(values_a, values_b).clamp(min=0)
+    first, second = compared(keys_a, values_a, similarity), compared(keys_b, values_b, similarity)
+    return unit_redundancy([unit_keys(x) for x in first], [unit_keys(x) for x in second])
+
+
+def compared(keys: Tensor, values: Tensor, similarity: str) -> list[Tensor]:
+    """The tensors whose cosines ``similarity`` multiplies: [keys, values], [keys] or [values]."""
+    return {"key_value": [keys, values], "key": [keys], "value": [values]}[similarity]
+
+
+def unit_redundancy(units_a: list[Tensor], units_b: list[Tensor]) -> Tensor:
+    """R of unit vectors: the product over the pairs (a, b) of max(0, a b^T), (B, H, M, N) float32."""
+    R = (units_a[0] @ units_b[0].transpose(-1, -2)).clamp_(min=0)
+    for a, b in zip(units_a[1:], units_b[1:]):
+        R.mul_((a @ b.transpose(-1, -2)).clamp_(min=0))
+    return R
+
+
+def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
+                   target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """Each source's most redundant target (EMS Eq. 5), ``chunk`` sources at a time: memory O(chunk x targets),
+    never the whole (sources x targets) block.
+
+    raw_keys, values: (B, H, T, D); sources (B, H, M) and targets (B, H, C): slot indices, the first
+    ``source_count`` / ``target_count`` (B, H) of each row real. Returns (best, match), both (B, H, M): the
+    highest ``redundancy`` over the row's real targets (float32; -inf for a source that is not real or a row
+    without targets) and that target's slot (ties: the earliest in ``targets``), -1 where best is -inf.
+    ``triton_similarity.most_redundant`` is the kernel of the same signature (see ``dispatch``).
+    """
+    if use_triton("most_redundant", raw_keys):
+        from kvbench.kernels import triton_similarity
+
+        return triton_similarity.most_redundant(raw_keys, values, sources, source_count, targets, target_count,
+                                                similarity, chunk)
+    B, H, M = sources.shape
+    best = torch.full((B, H, M), -float("inf"), device=raw_keys.device)
+    match = torch.full((B, H, M), -1, dtype=torch.long, device=raw_keys.device)
+    C = min(int(target_count.max()) if target_count.numel() else 0, targets.shape[-1])
+    if M == 0 or C == 0:
+        return best, match
+    targets = targets[..., :C]
+    target_ok = torch.arange(C, device=targets.device).view(1, 1, 1, -1) < target_count.view(B, H, 1, 1)
+
+    def rows(x: Tensor, slots: Tensor) -> Tensor:
+        return x.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+    features = compared(raw_keys, values, similarity)
+    target_units = [unit_keys(rows(x, targets)) for x in features]  # normalised once for every chunk
+    for start in range(0, M, chunk):
+        part = sources[..., start:start + chunk]
+        R = unit_redundancy([unit_keys(rows(x, part)) for x in features], target_units)
+        top, arg = R.masked_fill_(~target_ok, -float("inf")).max(-1)  # (B, H, chunk)
+        best[..., start:start + chunk] = top
+        match[..., start:start + chunk] = torch.where(torch.isfinite(top), targets.gather(-1, arg), -1)
+    real = torch.arange(M, device=sources.device).view(1, 1, -1) < source_count.unsqueeze(-1)
+    return torch.where(real, best, -float("inf")), torch.where(real, match, -1)
 
 
 def rotate_like(x: Tensor, raw: Tensor, rotated: Tensor, rel_eps: float = 1e-4) -> Tensor:

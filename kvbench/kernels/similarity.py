@@ -4,8 +4,8 @@ each source slot's most similar target slot.
 Used by KVMerger (merging sets = runs of consecutive similar keys) and D2O (nearest kept slot of every
 evicted slot: only the |E| x |C| block, in chunks). No (T x T) similarity matrix is ever
 built: the chain rule needs the T-1 adjacent cosines, the anchor rule one cosine per slot. Torch references
-in float32; ``triton_similarity`` holds kernels of the same signatures for ``adjacent_cosine`` and
-``anchor_runs`` (see ``dispatch``).
+in float32; ``triton_similarity`` holds kernels of the same signatures for ``adjacent_cosine``,
+``anchor_runs`` and ``best_match_cosine`` (see ``dispatch``).
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
     (also for sources of a row without targets); match = the target's slot index, -1 where similarity is
     -inf. Ties go to the earliest target slot.
     """
+    if use_triton("best_match_cosine", keys):
+        from kvbench.kernels import triton_similarity
+
+        return triton_similarity.best_match_cosine(keys, sources, targets, chunk)
     B, H, T, D = keys.shape
     src, src_count = _compact(sources)
     tgt, tgt_count = _compact(targets)

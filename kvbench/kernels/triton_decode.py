@@ -9,13 +9,16 @@ length) and the step attention is exp(logit - lse) averaged over the group (thre
 
 The grid depends only on the storage's capacity and the ``span`` the host passes, never on a device value:
 programs whose split lies past a row's length exit after one comparison, so a captured CUDA graph replays
-correctly while rows grow and shrink. Inputs are cast to float32 after loading (the CPU interpreter cannot
-compute on bfloat16); the tile products run in tf32 for half inputs, full float32 for float32 inputs.
+correctly while rows grow and shrink. Compiled, half tiles multiply natively (float32 accumulation; the
+probabilities are rounded to the value dtype for the second product, as FlashDecoding does), so K and V go
+from memory to the tensor cores untouched; float32 inputs multiply in full float32. Under the CPU interpreter
+inputs are cast to float32 after loading (it computes garbage on bfloat16).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -24,7 +27,11 @@ from torch import Tensor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-BLOCK_N = 64  # slots per tile
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# slots per tile, warps, pipeline stages of the partials kernel; and programs per multiprocessor the split
+# plan aims at (scripts/bench_attention.py times the alternatives at 32k)
+DECODE_TILES = (64, 4, 3)
+WAVES = 2
 
 
 @triton.jit
@@ -33,7 +40,8 @@ def _decode_partials(
     sqb, sqh, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sbb, sbh, sbt,
     H_kv, C, span, D, DV, split_size, n_splits, scale_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_LOGITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_LOGITS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split, pid_bh = tl.program_id(0), tl.program_id(1)
     b, hkv = pid_bh // H_kv, pid_bh % H_kv
@@ -42,7 +50,9 @@ def _decode_partials(
     hq = hkv * GROUP + rows
     d, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :] * sqd,
-                mask=row_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     length = tl.load(len_ptr + pid_bh)
     start = split * split_size
     split_end = tl.minimum(start + split_size, span)
@@ -53,8 +63,16 @@ def _decode_partials(
     for n0 in range(start, stop, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         real = cols < tl.minimum(length, split_end)
-        k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None] * skt + d[None, :] * skd,
-                    mask=real[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        k_ptrs = k_ptr + b * skb + hkv * skh + cols[:, None] * skt + d[None, :] * skd
+        v_ptrs = v_ptr + b * svb + hkv * svh + cols[:, None] * svt + dv[None, :] * svd
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=real[:, None] & (d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=real[:, None] & (dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_BIAS:
             bias = tl.load(bias_ptr + b * sbb + hkv * sbh + cols * sbt, mask=real, other=0.0).to(tl.float32)
@@ -68,9 +86,7 @@ def _decode_partials(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None] * svt + dv[None, :] * svd,
-                    mask=real[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     # partials laid out (b, query head, split) so that the combine reads one head's splits contiguously
     part = (b * H_kv * GROUP + hq) * n_splits + split
@@ -105,10 +121,10 @@ def _decode_combine(
 
 @functools.cache
 def _programs_wanted(device: torch.device) -> int:
-    """About two waves of programs: enough splits to keep every multiprocessor streaming the cache."""
+    """``WAVES`` programs per multiprocessor: enough splits to keep every multiprocessor streaming the cache."""
     if device.type != "cuda":
         return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return WAVES * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile
@@ -116,9 +132,10 @@ MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile
 
 def split_plan(span: int, rows: int, device: torch.device) -> tuple[int, int]:
     """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots."""
-    tiles = max(1, triton.cdiv(span, BLOCK_N))
+    block_n = DECODE_TILES[0]
+    tiles = max(1, triton.cdiv(span, block_n))
     n_splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(_programs_wanted(device), rows)))
-    split_size = triton.cdiv(tiles, n_splits) * BLOCK_N
+    split_size = triton.cdiv(tiles, n_splits) * block_n
     return split_size, triton.cdiv(span, split_size) if span else 1
 
 
@@ -143,12 +160,15 @@ def decode_attention(
     bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
     lengths = lengths.contiguous()
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    block_n, warps, stages = DECODE_TILES
+    block_d = max(16, triton.next_power_of_2(D))
     _decode_partials[(n_splits, B * Hkv)](
         query, keys, values, lengths, bias, logits, m, l, acc,
         query.stride(0), query.stride(1), query.stride(3), *keys.stride(), *values.stride(), *bias_strides,
         Hkv, C, span, D, DV, split_size, n_splits, scaling * LOG2E,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_DV=block_dv, HAS_BIAS=key_bias is not None, WANT_LOGITS=want_step, PRECISION=precision,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        EVEN_D=D == block_d and DV == block_dv, HAS_BIAS=key_bias is not None, WANT_LOGITS=want_step,
+        UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
     out = query.new_empty(B, Hq, 1, DV)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=query.device)

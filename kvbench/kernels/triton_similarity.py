@@ -1,10 +1,17 @@
-"""Triton twins of ``similarity.adjacent_cosine`` and ``similarity.anchor_runs`` (same signatures).
+"""Triton twins of ``similarity.adjacent_cosine``, ``similarity.anchor_runs`` and ``similarity.best_match_cosine``
+(same signatures).
 
 - ``_adjacent_cosine``: one program per (slot tile, b, h): loads slots t and t+1, one pass, O(T D).
 - ``_anchor_joins``: one program per row (b, h) walks the row from the right keeping the anchor's unit key
   in registers: the reference's T-step Python loop of small torch ops becomes one sequential loop per row.
   The run numbering that follows is ``similarity.run_ids`` itself (a cumulative sum), not re-implemented.
-Normalisation matches ``similarity.unit_keys`` (x / max(|x|, 1e-12)); inputs are cast to float32 on load.
+- ``_best_match`` (D2O's nearest kept slot, EMS's most redundant centre): one program per (source tile, b, h)
+  loops over the row's targets (slot lists, read through their indices) and keeps each source's running
+  argmax of the cosine (EMS: of R, the clamped cosines of keys and values multiplied), so the |sources| x
+  |targets| block is never stored; the dot products multiply the inputs in their own dtype (exact products,
+  float32 sums; float32 inputs at full precision), then scale by the inverse norms.
+Normalisation matches ``similarity.unit_keys`` (x / max(|x|, 1e-12)); the first two kernels cast inputs to
+float32 on load.
 """
 
 from __future__ import annotations
@@ -14,9 +21,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.redundancy import compared
+from kvbench.kernels.select import true_first
 from kvbench.kernels.similarity import run_ids
+from kvbench.kernels.triton_attention import INTERPRETED, _precision
 
 BLOCK_T = 64
+BEST_MATCH_TILES = (64, 64, 4, 2)  # (sources per program, targets per step, warps, stages)
 
 
 @triton.jit
@@ -55,6 +66,91 @@ def _anchor_joins(
         right_mergeable = mergeable
 
 
+@triton.jit
+def _best_match(
+    a_ptr, b_ptr, inv_a_ptr, inv_b_ptr, src_ptr, nsrc_ptr, tgt_ptr, ntgt_ptr, best_ptr, match_ptr,
+    sab, sah, sat, sad, sbb, sbh, sbt, sbd, H, T, M, C, DA, DB,
+    TWO: tl.constexpr, CLAMP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, PRECISION_A: tl.constexpr, PRECISION_B: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    n_src = tl.load(nsrc_ptr + pid_bh)
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    row_ok = rows < n_src
+    n_tgt = tl.where(tl.program_id(0) * BLOCK_S < n_src, tl.load(ntgt_ptr + pid_bh), 0)  # idle tiles skip
+    da, db = tl.arange(0, BLOCK_DA), tl.arange(0, BLOCK_DB)
+    a_base = a_ptr + b * sab + h * sah + da[None, :] * sad
+    b_base = b_ptr + b * sbb + h * sbh + db[None, :] * sbd
+    src = tl.load(src_ptr + pid_bh * M + rows, mask=row_ok, other=0)
+    qa = tl.load(a_base + src[:, None] * sat, mask=row_ok[:, None] & (da[None, :] < DA), other=0.0)
+    qa_inv = tl.load(inv_a_ptr + pid_bh * T + src, mask=row_ok, other=0.0)
+    if UPCAST:
+        qa = qa.to(tl.float32)
+    if TWO:
+        qb = tl.load(b_base + src[:, None] * sbt, mask=row_ok[:, None] & (db[None, :] < DB), other=0.0)
+        qb_inv = tl.load(inv_b_ptr + pid_bh * T + src, mask=row_ok, other=0.0)
+        if UPCAST:
+            qb = qb.to(tl.float32)
+    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    arg = tl.full((BLOCK_S,), -1, tl.int32)
+    for start in range(0, n_tgt, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        col_ok = cols < n_tgt
+        tgt = tl.load(tgt_ptr + pid_bh * C + cols, mask=col_ok, other=0)
+        ka = tl.load(a_base + tgt[:, None] * sat, mask=col_ok[:, None] & (da[None, :] < DA), other=0.0)
+        if UPCAST:
+            ka = ka.to(tl.float32)
+        ka_inv = tl.load(inv_a_ptr + pid_bh * T + tgt, mask=col_ok, other=0.0)
+        sim = tl.dot(qa, tl.trans(ka), input_precision=PRECISION_A) * qa_inv[:, None] * ka_inv[None, :]
+        if CLAMP:
+            sim = tl.maximum(sim, 0.0)
+        if TWO:
+            kb = tl.load(b_base + tgt[:, None] * sbt, mask=col_ok[:, None] & (db[None, :] < DB), other=0.0)
+            if UPCAST:
+                kb = kb.to(tl.float32)
+            kb_inv = tl.load(inv_b_ptr + pid_bh * T + tgt, mask=col_ok, other=0.0)
+            sim_b = tl.dot(qb, tl.trans(kb), input_precision=PRECISION_B) * qb_inv[:, None] * kb_inv[None, :]
+            sim = sim * tl.maximum(sim_b, 0.0)
+        sim = tl.where(col_ok[None, :], sim, float("-inf"))
+        tile_best = tl.max(sim, 1)
+        tile_arg = tl.argmax(sim, 1, tie_break_left=True)
+        better = tile_best > best  # strictly: an earlier tile keeps a tie (the earliest target wins)
+        arg = tl.where(better, start + tile_arg, arg)
+        best = tl.where(better, tile_best, best)
+    found = row_ok & (arg >= 0)
+    slot = tl.load(tgt_ptr + pid_bh * C + arg, mask=found, other=-1)
+    tl.store(best_ptr + pid_bh * M + rows, best, mask=row_ok)
+    tl.store(match_ptr + pid_bh * M + rows, tl.where(found, slot, -1), mask=row_ok)
+
+
+def _best_matches(first: Tensor, second: Tensor | None, sources: Tensor, source_count: Tensor, targets: Tensor,
+                  target_count: Tensor, clamp: bool) -> tuple[Tensor, Tensor]:
+    """Launch ``_best_match``: features (B, H, T, D) (``second``: multiplied in, clamped at 0), slot lists
+    sources (B, H, M) and targets (B, H, C) with their real counts (B, H) -> (best, match), both (B, H, M);
+    -inf / -1 past a row's sources and for rows without targets."""
+    B, H, M = sources.shape
+    best = torch.full((B, H, M), -float("inf"), dtype=torch.float32, device=first.device)
+    match = torch.full((B, H, M), -1, dtype=torch.long, device=first.device)
+    if M == 0 or targets.shape[-1] == 0:
+        return best, match
+    two = second is not None
+    second = first if second is None else second
+    inverse = [1.0 / x.float().norm(dim=-1).clamp(min=1e-12) for x in ((first, second) if two else (first,))]
+    block_s, block_c, warps, stages = BEST_MATCH_TILES
+    _best_match[(triton.cdiv(M, block_s), B * H)](
+        first, second, inverse[0], inverse[-1], sources.contiguous(), source_count.to(torch.int32).contiguous(),
+        targets.contiguous(), target_count.to(torch.int32).contiguous(), best, match,
+        *first.stride(), *second.stride(), H, first.shape[2], M, targets.shape[-1], first.shape[-1],
+        second.shape[-1], TWO=two, CLAMP=clamp, BLOCK_S=block_s, BLOCK_C=block_c,
+        BLOCK_DA=max(16, triton.next_power_of_2(first.shape[-1])),
+        BLOCK_DB=max(16, triton.next_power_of_2(second.shape[-1])), PRECISION_A=_precision(first),
+        PRECISION_B=_precision(second), UPCAST=INTERPRETED, num_warps=warps, num_stages=stages,
+    )
+    return best, match
+
+
 def adjacent_cosine(keys: Tensor) -> Tensor:
     """Triton ``similarity.adjacent_cosine``: keys (B, H, T, D) -> (B, H, T-1) float32."""
     B, H, T, D = keys.shape
@@ -76,3 +172,21 @@ def anchor_runs(keys: Tensor, mergeable: Tensor, lengths: Tensor, epsilon: float
             BLOCK_D=max(16, triton.next_power_of_2(D)),
         )
     return run_ids(joins.bool(), lengths)
+
+
+def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """Triton ``similarity.best_match_cosine`` (``chunk`` is the reference's memory knob): (similarity, match),
+    both (B, H, T). No host synchronisation: idle source tiles of short rows return at once."""
+    source_slots = true_first(sources)
+    best, match = _best_matches(keys, None, source_slots, sources.sum(-1), true_first(targets), targets.sum(-1),
+                                clamp=False)
+    return (torch.empty_like(best).scatter_(2, source_slots, best),
+            torch.empty_like(match).scatter_(2, source_slots, match))
+
+
+def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
+                   target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """Triton ``redundancy.most_redundant`` (``chunk`` is the reference's memory knob): (best, match) (B, H, M)."""
+    features = compared(raw_keys, values, similarity)
+    return _best_matches(features[0], features[1] if len(features) > 1 else None, sources, source_count, targets,
+                         target_count, clamp=True)

@@ -40,11 +40,12 @@ Interpretations:
   0/0 to 0).
 - [I] Per key/value head: attention of the query heads of a GQA group is averaged by the engine.
 
-Cost per compression of a row of T slots (E evicted, head dim d, n targets): selection O(T log T); the
-cascade x_e = v_e + sum over evicted j in [e - n, e) of m_j x_j / n is a banded triangular system over the
-evicted slots, solved in blocks of ``CASCADE_BLOCK``: O(E * CASCADE_BLOCK * d); the window scores O(n T) and
-spreading onto the kept slots O(n T d), at every call. A decode step in place (``evict_one``): O(T) for the
-victim, O(T log n) for its n next positions, O(n d) for the merge.
+Cost per compression of a row of T slots (head dim d, n targets, S = ``CASCADE_BLOCK``): selection
+O(T log T); the cascade x_s = v_s + sum over j in [s - n, s) of m_j x_j / n (m = 0 on slots that stay), a
+banded triangular system over the row's slots whose solution is every slot's final value, solved in blocks
+of S at once and carried across blocks (``kernels.cascade``): O(T S (d + n) + T n (n + d)), a handful of
+batched operations and no loop over the row; the window scores O(n T), at every call. A decode step in place
+(``evict_one``): O(T) for the victim, O(T log n) for its n next positions, O(n d) for the merge.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.cascade import banded_cascade
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.select import keep_topk, true_first
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
@@ -108,13 +111,11 @@ class CaM(Method):
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
-        prob = self._merge_probabilities(kv, attention, evicted)
-        share = self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens  # m_e / n, (B, H, T)
-        carried = evicted_values(kv.values.float(), share, evicted, self.merge_tokens)  # x_e, (B, H, T, D)
-        received = window_sum(carried * share.unsqueeze(-1), self.merge_tokens)
+        share = self._shares(layer, kv, attention, evicted)  # m_e / n, (B, H, T)
+        # every real slot's final value: evicted ones carry x_e on when they leave, kept ones (share 0) keep it
+        held = evicted_values(kv.values.float(), share, valid, self.merge_tokens)  # (B, H, T, D)
         out = kv.gather(index, lengths)
-        out.values = (out.values.float() + received.gather(2, index.unsqueeze(-1).expand_as(out.values))).to(
-            kv.values.dtype)
+        out.values = held.gather(2, index.unsqueeze(-1).expand_as(out.values)).to(kv.values.dtype)
         out.zero_padding()
         return out
 
@@ -149,6 +150,18 @@ class CaM(Method):
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
         return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent)
 
+    def _shares(self, layer: int, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
+        """(B, H, T) m_e / n of the evicted slots of a position-ordered cache, 0 elsewhere (one launch with the
+        Triton twin, ``kernels.triton_cam``; bit-identical)."""
+        if use_triton("cam_merge_shares", attention):
+            from kvbench.kernels import triton_cam
+
+            newest = torch.where(kv.valid(), kv.positions, -1).amax(-1)
+            return triton_cam.merge_shares(attention, kv.lengths, kv.positions, evicted, newest, self.merge_tokens,
+                                           None if self.deterministic else self._draw_key(layer))
+        prob = self._merge_probabilities(kv, attention, evicted)
+        return self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens
+
     def _merge_probabilities(self, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
         """(B, H, T) p_e on evicted slots (0 without a target), 0 elsewhere; slots in positional order."""
         n = self.merge_tokens
@@ -167,7 +180,11 @@ class CaM(Method):
             return prob
         newest = torch.where(kv.valid(), kv.positions, -1).amax(-1, keepdim=True)  # (B, H, 1)
         head = torch.arange(kv.lengths.shape[1], device=prob.device).view(1, -1, 1)
-        return (uniform_draws(mix32(mix32(self.seed & MASK32) ^ layer), head, position, newest) < prob).float()
+        return (uniform_draws(self._draw_key(layer), head, position, newest) < prob).float()
+
+    def _draw_key(self, layer: int) -> int:
+        """The hash key of a layer's draws."""
+        return mix32(mix32(self.seed & MASK32) ^ layer)
 
 
 def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:
@@ -200,44 +217,15 @@ def uniform_draws(key: int, head: Tensor, position: Tensor, step: Tensor) -> Ten
     return (x >> 8).float() * 2.0**-24
 
 
-CASCADE_BLOCK = 256  # evicted slots per triangular solve in ``evicted_values``
+CASCADE_BLOCK = 64  # slots per diagonal block of ``evicted_values``'s solve (``kernels.cascade``)
 
 
-def window_sum(x: Tensor, n: int) -> Tensor:
-    """(B, H, T, D) -> out[..., k, :] = sum of x[..., k - n : k, :] (the n slots before k), exactly (no
-    cumulative sums, which lose precision on long rows)."""
-    out = torch.zeros_like(x)
-    for offset in range(1, min(n, x.shape[2] - 1) + 1):
-        out[:, :, offset:] += x[:, :, :-offset]
-    return out
-
-
-def evicted_values(values: Tensor, share: Tensor, evicted: Tensor, n: int) -> Tensor:
-    """(B, H, T, D) float32: x_e = v_e + sum over evicted j in [e - n, e) of share_j x_j on evicted slots e
-    (what e holds when it leaves, oldest first), 0 elsewhere.
-
-    The evicted slots of a row, compacted in order, form a unit lower-triangular system of bandwidth <= n
-    (slot distance <= n implies compact distance <= n); it is solved in blocks of ``CASCADE_BLOCK`` rows, each
-    block taking the previous block's last n solutions as known terms."""
-    B, H, T, D = values.shape
-    count = evicted.sum(-1)
-    E = int(count.max()) if count.numel() else 0
-    out = torch.zeros_like(values)
-    if E == 0:
-        return out
-    order = true_first(evicted)[..., :E]  # evicted slots, in order
-    real = torch.arange(E, device=values.device).view(1, 1, -1) < count.unsqueeze(-1)
-    slot = torch.where(real, order, -2 * (n + 1) * E)  # padding entries: far from every real one, no coupling
-    c = torch.where(real, share.gather(2, order), 0.0)
-    v = torch.where(real.unsqueeze(-1), values.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, D)), 0.0)
-    x = torch.empty_like(v)
-    size = max(CASCADE_BLOCK, n)
-    for start in range(0, E, size):
-        stop, known = min(E, start + size), max(0, start - n)
-        gap = slot[..., start:stop, None] - slot[..., None, known:stop]  # (B, H, rows, cols)
-        coupling = ((gap >= 1) & (gap <= n)) * c[..., None, known:stop]
-        rhs = v[..., start:stop, :] + coupling[..., :start - known] @ x[..., known:start, :]
-        eye = torch.eye(stop - start, device=values.device)
-        x[..., start:stop, :] = torch.linalg.solve_triangular(eye - coupling[..., start - known:], rhs, upper=False,
-                                                              unitriangular=True)
-    return out.scatter_(2, order.unsqueeze(-1).expand(-1, -1, -1, D), torch.where(real.unsqueeze(-1), x, 0.0))
+def evicted_values(values: Tensor, share: Tensor, slots: Tensor, n: int) -> Tensor:
+    """(B, H, T, D) float32: x_e = v_e + sum over ``slots`` j in [e - n, e) of share_j x_j on the slots e of
+    ``slots`` (B, H, T) bool, 0 elsewhere. With ``slots`` the evicted slots, x_e is what e holds when it leaves
+    (oldest first); ``compress`` passes every real slot, with share 0 on those that stay, so that a kept slot's
+    x is its final value. The banded recurrence of ``kernels.cascade.banded_cascade``, in blocks of
+    ``CASCADE_BLOCK`` slots."""
+    x = banded_cascade(torch.where(slots.unsqueeze(-1), values, 0.0), torch.where(slots, share, 0.0), n,
+                       CASCADE_BLOCK)
+    return torch.where(slots.unsqueeze(-1), x, 0.0)

@@ -83,7 +83,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
-from kvbench.kernels.redundancy import SIMILARITIES, redundancy, rotate_like
+from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
 from kvbench.kernels.similarity import unit_keys
 from kvbench.kv import LOGIT_BIAS, AttentionStats, Expansion, LayerKV
@@ -252,23 +252,12 @@ class EMS(Method):
         tbm_slots = order.gather(-1, (n_imp.unsqueeze(-1) + offset).clamp(max=T - 1))
         return local, imp, tbm_slots, tbm_valid
 
-    def _destinations(self, kv: LayerKV, raw_keys: Tensor, imp: Tensor, tbm_slots: Tensor) -> Tensor:
+    def _destinations(self, kv: LayerKV, raw_keys: Tensor, imp: Tensor, tbm_slots: Tensor,
+                      tbm_valid: Tensor) -> Tensor:
         """Most redundant centre of each TBM slot (Eq. 5): (B, H, M) slot index, or -1 (zero class: R < tau)."""
-        n_imp = imp.sum(-1)
-        C = int(n_imp.max()) if n_imp.numel() else 0
-        if C == 0 or tbm_slots.shape[-1] == 0:
-            return torch.full_like(tbm_slots, -1)
-        centres = true_first(imp)[..., :C]  # (B, H, C) Imp slots first
-        centre_ok = torch.arange(C, device=imp.device).view(1, 1, -1) < n_imp.unsqueeze(-1)
-
-        def rows(x: Tensor, slots: Tensor) -> Tensor:
-            return x.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
-
-        R = redundancy(rows(raw_keys, tbm_slots), rows(kv.values, tbm_slots),
-                       rows(raw_keys, centres), rows(kv.values, centres), self.similarity)  # (B, H, M, C)
-        R = R.masked_fill(~centre_ok.unsqueeze(2), -1.0)
-        best, arg = R.max(-1)
-        return torch.where(best >= self.tau, centres.gather(-1, arg), -1)
+        best, match = most_redundant(raw_keys, kv.values, tbm_slots, tbm_valid.sum(-1), true_first(imp), imp.sum(-1),
+                                     self.similarity)
+        return torch.where(best >= self.tau, match, -1)
 
     def _evict_then_merge(self, kv: LayerKV, raw_keys: Tensor, score: Tensor, n_keep: Tensor, budget: int) -> LayerKV:
         """Keep Loc + Imp (original order), merge redundant TBM slots into their centres, evict the rest.
@@ -280,7 +269,7 @@ class EMS(Method):
         G = max(int(lengths.max()) if lengths.numel() else 0, 1)
         index = true_first(kept)[..., :G]  # kept slots in original order
         group = kept.long().cumsum(-1) - 1  # entry of each kept slot
-        dest = self._destinations(kv, raw_keys, imp, tbm_slots)
+        dest = self._destinations(kv, raw_keys, imp, tbm_slots, tbm_valid)
         dest_group = torch.where(tbm_valid & (dest >= 0), group.gather(-1, dest.clamp(min=0)), -1)
         # invalid TBM entries write to a spare slot T that is dropped
         T = score.shape[-1]

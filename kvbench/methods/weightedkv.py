@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.select import keep_topk
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, pass_observers, per_sample_n_keep, prompt_observers
@@ -212,7 +213,12 @@ def merge_in_order(values: Tensor, average: Tensor, order: Tensor, count: Tensor
 
 def next_later(time: Tensor) -> Tensor:
     """(B, H, T) long -> for each slot j the first k > j with time[k] > time[j] (T if none): a sparse table of
-    range maxima over powers of two, then binary lifting that skips every block whose maximum is <= time[j]."""
+    range maxima over powers of two, then binary lifting that skips every block whose maximum is <= time[j]
+    (``kernels.triton_next_later`` is the one-launch twin, see ``dispatch``)."""
+    if use_triton("next_later", time):
+        from kvbench.kernels import triton_next_later
+
+        return triton_next_later.next_later(time)
     T = time.shape[-1]
     tables = [time]  # tables[l][i] = max time[i : i + 2^l] (clipped at T)
     while 2 ** len(tables) <= T:

@@ -90,6 +90,7 @@ def make_plots(cfg, built: list, metrics, predictions, out: Path) -> list[Path]:
 
 def report(cfg) -> list[Path]:
     results = data.load(Path(cfg.root))
+    warn(results.notes)  # before anything else can fail: they say what the tables leave out
     metrics = data.apply_filters(results.metrics, OmegaConf.to_container(cfg.filters))
     if metrics.empty:
         raise ConfigError(f"no results under '{cfg.root}' pass the filters {OmegaConf.to_container(cfg.filters)}")
@@ -104,9 +105,9 @@ def report(cfg) -> list[Path]:
     written = [p for t in built for p in write_table(t, cfg, out / "tables")]
     if cfg.plots.enabled:
         written += make_plots(cfg, built, metrics, predictions, out / "plots")
-    warnings = caveats(built, metrics)
-    for line in warnings:
-        print(f"kvbench report: warning: {line}", file=sys.stderr)
+    found = caveats(built, metrics)
+    warn(found)
+    warnings = results.notes + found
     summary = [f"# kvbench report\n\nResults root: `{cfg.root}`\n"]
     if warnings:
         summary.append("## Caveats\n\n" + "".join(f"- {line}\n" for line in warnings))
@@ -114,6 +115,11 @@ def report(cfg) -> list[Path]:
     summary += [f"![{p.stem}](plots/{p.name})\n" for p in written if p.suffix == ".png"]
     (out / "report.md").write_text("\n".join(summary))
     return written + [out / "report.md"]
+
+
+def warn(lines: list[str]) -> None:
+    for line in lines:
+        print(f"kvbench report: warning: {line}", file=sys.stderr)
 
 
 def caveats(built: list[tables.Table], metrics) -> list[str]:

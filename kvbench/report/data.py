@@ -1,14 +1,17 @@
 """Collected results -> the rows the report tabulates: filtered, one table row per model x budget x method
 variant, full-cache runs of any budget merged into one "full" row per model; optionally re-blocked by the
-realized kept fraction instead of the budget label (``align_by_kept``)."""
+realized kept fraction instead of the budget label (``align_by_kept``). The collected tables are rebuilt from
+``runs/`` first when they do not hold exactly the finished runs, and runs that do not read back are named
+with the command that runs them again, as ``kvbench status`` names them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from kvbench import status, store
 from kvbench.errors import ConfigError
 from kvbench.report.paper import FULL, KEPT
 
@@ -22,18 +25,39 @@ VARIANT_COLUMNS = ("position_mode", "seed", "task.mode", "task.measure", "task.v
 class Results:
     metrics: pd.DataFrame  # one row per run x dataset x metric (runner.py columns) + row labels
     predictions: pd.DataFrame  # one row per run x sample (task columns) + row labels
+    notes: list[str] = field(default_factory=list)  # what a reader must know of the store: unreadable runs ...
 
 
 def load(root: Path) -> Results:
+    """The collected tables of ``root``, rebuilt first if they are stale (a full disk, a killed writer, a
+    truncated table), with notes naming the runs that do not read back and any rebuild."""
     root = Path(root)
-    path = root / "metrics.parquet"
+    corrupt = [r for r in map(status.published_record, store.published_runs(root)) if r["state"] == "corrupt"]
+    notes = [f"run {store.run_dir(root, r['run_id'])} ({store.run_label(r)}) does not read back ({r['error']}): "
+             f"it is in no table; {status.what_to_do(root, r)}" for r in corrupt]
+    stale = store.stale_tables(root, [r["run_id"] for r in corrupt])
+    if stale:
+        try:
+            store.collect(root)
+            notes.append(f"the collected tables were stale ({stale}): rebuilt from {root / store.RUNS}")
+        except OSError as err:
+            notes.append(f"the collected tables are stale ({stale}) and cannot be rebuilt here "
+                         f"({err.strerror or err}): run `kvbench collect {root}` where they can be written")
+    path, pred_path = root / "metrics.parquet", root / "predictions.parquet"
     if not path.exists():
+        if corrupt:
+            raise ConfigError(f"no run under '{root}' reads back; {notes[0]}" if len(corrupt) == 1 else
+                              f"none of the {len(corrupt)} runs under '{root}' reads back: `kvbench status {root}` "
+                              "lists them with the command that runs each again")
         raise ConfigError(f"results root '{root}' has no metrics.parquet; run a sweep first "
                           f"(python -m kvbench -m ... results_root={root})")
-    metrics = pd.read_parquet(path)
-    pred_path = root / "predictions.parquet"
-    predictions = pd.read_parquet(pred_path) if pred_path.exists() else pd.DataFrame(columns=["run_id"])
-    return Results(metrics, predictions)
+    try:
+        metrics = pd.read_parquet(path)
+        predictions = pd.read_parquet(pred_path) if pred_path.exists() else pd.DataFrame(columns=["run_id"])
+    except (OSError, ValueError) as err:  # pyarrow's errors are ValueErrors
+        raise ConfigError(f"the collected tables in '{root}' cannot be read ({type(err).__name__}) nor rebuilt "
+                          f"here: run `kvbench collect {root}`") from None
+    return Results(metrics, predictions, notes)
 
 
 def apply_filters(metrics: pd.DataFrame, filters: dict) -> pd.DataFrame:

@@ -28,14 +28,11 @@ def unit_of(column: str) -> tuple[float, str]:
     return next(((f, u) for end, (f, u) in UNITS.items() if metric.endswith(end)), (1.0, ""))
 
 
-def column_display(column: str, memory_is_rss: bool = False) -> str:
-    """A column's header; ``memory_is_rss``: peak memory was measured on the CPU, where it is the growth of
-    the process's resident set, not what tensors held (kvbench.memory)."""
+def column_display(column: str) -> str:
+    """A column's header: its dataset's display name, the metric and its unit."""
     dataset, _, metric = column.partition("/")
     name = display(dataset, DATASET_DISPLAY)
     unit = unit_of(column)[1]
-    if memory_is_rss and metric.endswith("peak_memory_bytes"):
-        unit += ", CPU RSS growth"
     return f"{name} {metric}" + (f" ({unit})" if unit else "") if metric else name
 
 
@@ -97,7 +94,7 @@ def _annotations(table: Table, row, column: str, cfg) -> str:
 
 def header(table: Table, cfg) -> list[str]:
     names = ["Model", "Budget", KEPT_COLUMN, "Method", "n",
-             *(column_display(c, table.memory_is_rss) for c in table.values.columns)]
+             *(column_display(c) for c in table.values.columns)]
     return names + ([DELTA] if show_delta(table, cfg) else [])
 
 

@@ -43,7 +43,6 @@ class Table:
     modes: str = ""  # the query modes of the table's results (official, query_agnostic, no_query)
     n: pd.DataFrame | None = None  # samples behind each of our cells (index INDEX, data columns)
     other_samples: pd.DataFrame | None = None  # True: the cell's samples are not the full cache's
-    memory_is_rss: bool = False  # every run on the CPU: "peak memory" is the process's RSS growth
     kept: pd.Series = None  # realized kept fraction per row (mean over the row's runs; NaN for paper rows)
 
 
@@ -99,7 +98,6 @@ def build(metrics: pd.DataFrame, predictions: pd.DataFrame, reference: pd.DataFr
                   n=wide["n"].reindex(index=values.index, columns=data_columns),
                   other_samples=wide["other_samples"].reindex(index=values.index, columns=data_columns)
                   .fillna(False).astype(bool),
-                  memory_is_rss="device" in rows and rows["device"].astype(str).str.startswith("cpu").all(),
                   kept=kept_per_row(rows, values.index))
     table.bold = best_per_block(values.mask(_spread(table.other_samples, values.columns)),
                                 {c: lower_is_better(m) for c, (_, m) in column_metric.items()})

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pandas as pd
-import psutil
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -194,7 +193,8 @@ class Efficiency(Task):
         ids = torch.tensor(batch, device=next(model.parameters()).device)
         device = ids.device
         clock = StepClock(device)
-        with PeakMemory(device) as peak:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        with PeakMemory(device, baseline=weights) as peak:
             _sync(device)
             start = time.perf_counter()
             with torch.inference_mode():
@@ -204,12 +204,11 @@ class Efficiency(Task):
             _sync(device)
             total = time.perf_counter() - start
         tpot = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters()) if device.type == "cuda" else 0
         return {
             "ttft_seconds": clock.times[0] - start,
             "tpot_seconds": tpot,
             "peak_memory_bytes": peak.bytes,
-            "peak_memory_above_weights_bytes": peak.bytes - weights,  # CPU: RSS growth, weights excluded
+            "peak_memory_above_weights_bytes": peak.bytes - weights,
             "throughput_tokens_per_second": len(batch) * self.new_tokens / total,
             "decode_tokens_per_second": len(batch) / tpot,
             **self._bound(model, len(batch), kv_bytes_read, tpot),
@@ -266,17 +265,8 @@ class Efficiency(Task):
     def _try(self, engine: Engine, prompt: list[int], batch: int, cap: int, detail: bool) -> dict:
         """One ``engine.generate`` of ``batch`` copies of the prompt under the memory cap: its timings, or
         ``fits`` false and the out-of-memory message."""
-        def work() -> dict:
-            file_backed = psutil.Process().memory_info().shared
-            row = self._time_engine(engine, [prompt] * batch, detail)
-            if engine.device.type == "cpu":  # in a forked child, which faults the weights' file-backed pages
-                # (e.g. a memory-mapped checkpoint) in as it touches them: they are not the batch's memory
-                row["peak_memory_bytes"] = max(0, row["peak_memory_bytes"]
-                                               - (psutil.Process().memory_info().shared - file_backed))
-            return row
-
         with MemoryCap(engine.device, cap) as capped:
-            result = capped.run(work)
+            result = capped.run(lambda: self._time_engine(engine, [prompt] * batch, detail))
         return {"fits": True, "error": "", **result} if isinstance(result, dict) else {"fits": False, "error": result}
 
     # -- metrics ----------------------------------------------------------------------------------------

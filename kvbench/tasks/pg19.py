@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.budget import Budget
-from kvbench.engine import Engine, Generation, Session, peak_memory_bytes
+from kvbench.engine import Engine, Generation, Session
 from kvbench.errors import ConfigError, unknown_name
+from kvbench.memory import PeakMemory
 from kvbench.tasks.base import NO_QUERY, Prompt, Sample, Task, generation_measurements
 from kvbench.tasks.sources import PACKAGE_DATA, DataRef, load_records, read_records
 
@@ -175,18 +176,18 @@ class PG19(Task):
         """Documents of n tokens each, from an empty cache: one row per document, and the session."""
         p = min(self.prefill_tokens, n)
         ids = torch.tensor([self.document_ids(s, lm) for s in group], device=engine.device)  # (B, n)
-        if engine.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(engine.device)
-        start = time.perf_counter()
-        session = self._document_engine(engine, n).prefill(ids[:, :p].tolist(), max_new_tokens=n - p)
-        prefill_seconds = time.perf_counter() - start
-        first = token_nll(session.logits[:, None][:, : n - p], ids[:, p : p + 1])  # (B, 1); (B, 0) if n == p
-        start = time.perf_counter()
-        rest, peak, passes, kv_read = self._feed(session, ids, p)
+        with PeakMemory(engine.device, baseline=engine.weight_bytes) as memory:
+            start = time.perf_counter()
+            session = self._document_engine(engine, n).prefill(ids[:, :p].tolist(), max_new_tokens=n - p)
+            prefill_seconds = time.perf_counter() - start
+            first = token_nll(session.logits[:, None][:, : n - p], ids[:, p : p + 1])  # (B, 1); (B, 0) if n == p
+            start = time.perf_counter()
+            rest, peak, passes, kv_read = self._feed(session, ids, p)
+            decode_seconds = time.perf_counter() - start
         B = len(group)  # per-document shares of the batch's times, as engine.generate reports them
         timings = {"prefill_seconds": prefill_seconds / B, "compress_seconds": session.compress_seconds / B,
-                   "decode_seconds": (time.perf_counter() - start) / B, "passes": passes, "kv_bytes_read": kv_read,
-                   "decode_compress_seconds": session.decode_compress_seconds / B}
+                   "decode_seconds": decode_seconds / B, "passes": passes, "kv_bytes_read": kv_read,
+                   "decode_compress_seconds": session.decode_compress_seconds / B, "peak_memory_bytes": memory.bytes}
         nll = torch.cat([first, rest], dim=1)  # (B, n - p): targets p .. n-1
         return [self._row(s, session, b, nll[b], n, peak, timings) for b, s in enumerate(group)], session
 
@@ -208,9 +209,11 @@ class PG19(Task):
             raise ConfigError(f"pg19 stream reaches position {end} > model max_length={lm.max_length} with "
                               "position_mode=original: use position_mode=cache_length or fewer/shorter documents")
         compress_before, start = session.decode_compress_seconds, time.perf_counter()
-        nll, peak, passes, kv_read = self._feed(session, ids, 0)  # targets 1 .. n-1; the first p are this document's prompt
+        # the stream's cache is live before the document: the CPU count starts above it (CUDA counts it itself)
+        with PeakMemory(engine.device, baseline=engine.weight_bytes + session.cache.allocated_bytes()) as memory:
+            nll, peak, passes, kv_read = self._feed(session, ids, 0)  # targets 1 .. n-1; the first p: its prompt
         timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0, "decode_seconds": time.perf_counter() - start,
-                   "passes": passes, "kv_bytes_read": kv_read,
+                   "passes": passes, "kv_bytes_read": kv_read, "peak_memory_bytes": memory.bytes,
                    "decode_compress_seconds": session.decode_compress_seconds - compress_before}
         return self._row(sample, session, 0, nll[0, max(p - 1, 0):], n, peak, timings)
 
@@ -242,7 +245,7 @@ class PG19(Task):
         windows = [nll[i : i + self.window_size] for i in range(0, count, self.window_size)]
         cache = session.cache
         per_token = sum(layer.kv.keys.shape[1] * layer.kv.slot_bytes for layer in cache.layers)
-        memory = peak_memory_bytes(session.engine.device)
+        memory = timings["peak_memory_bytes"]
         seen = int(session.next_index[b])  # tokens that went through this cache (the stream so far)
         final = Engine.row_bytes(cache, b)
         gen = Generation(

@@ -129,19 +129,24 @@ def _record(row: dict, origin: str) -> Record:
 def hub_files(hub_id: str, pattern: str, revision: str | None) -> tuple[list[Path], str]:
     """Local paths of the dataset repository's file ``pattern`` (or of every file matching it, if it is a
     glob) at ``revision`` (default: main), downloaded once into the huggingface_hub cache, and the commit sha
-    they come from. Without a connection the cached files of that revision are used."""
+    they come from. One request (the repository's file list) tells whether the hub answers; when it does
+    not (no connection, HF_HUB_OFFLINE), the cached files of that revision are used without another request
+    (huggingface_hub would retry each file for about 25 s first)."""
     from huggingface_hub import hf_hub_download
 
+    listing, unreachable = _hub_listing(hub_id, revision)
     try:
-        names = _matching(hub_id, pattern, revision) if _is_glob(pattern) else [pattern]
-        paths = [Path(hf_hub_download(hub_id, name, repo_type="dataset", revision=revision)) for name in names]
+        names = _matching(hub_id, pattern, revision, listing) if _is_glob(pattern) else [pattern]
+        paths = [Path(hf_hub_download(hub_id, name, repo_type="dataset", revision=revision,
+                                      local_files_only=listing is None)) for name in names]
     except ConfigError:
         raise
-    except Exception as err:  # noqa: BLE001 - offline, unknown repo/revision/file, HTTP errors ...
-        reason = " ".join(str(err).split())[:200]
+    except Exception as err:  # noqa: BLE001 - not cached, unknown file, HTTP errors ...
+        why = f"the hub cannot be reached ({unreachable}) and the file is not in the cache" if listing is None \
+            else f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
         raise ConfigError(f"could not fetch '{pattern}' of {hub_id} (revision {revision or 'main'}) from the HF "
-                          f"hub ({type(err).__name__}: {reason}); download it and set task.source=local "
-                          "task.data_dir=DIR, or use task.source=sample") from err
+                          f"hub ({why}); download it and set task.source=local task.data_dir=DIR, or use "
+                          "task.source=sample") from err
     commits = {snapshot_commit(path, name) for path, name in zip(paths, names)}
     if len(commits) > 1:  # the branch moved between two downloads
         raise ConfigError(f"{hub_id} files '{pattern}' came from several commits {sorted(commits)}; run again "
@@ -149,19 +154,40 @@ def hub_files(hub_id: str, pattern: str, revision: str | None) -> tuple[list[Pat
     return paths, commits.pop()
 
 
+def _hub_listing(hub_id: str, revision: str | None) -> tuple[list[str] | None, str]:
+    """The repository's file names at ``revision``, or (None, why) when the hub cannot be reached (no
+    connection, HF_HUB_OFFLINE, a server error). A hub that answers no (unknown repository or revision, no
+    access) is a ConfigError."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        info = HfApi().dataset_info(hub_id, revision=revision)
+    except HfHubHTTPError as err:
+        code = getattr(err.response, "status_code", None)
+        if code is None or code >= 500 or code == 429:
+            return None, f"HTTP {code}"
+        raise ConfigError(f"the HF hub answers {code} for dataset {hub_id} at revision {revision or 'main'} "
+                          f"({str(err).splitlines()[0][:200]}); check the name and revision, or use "
+                          "task.source=local task.data_dir=DIR") from None
+    except Exception as err:  # noqa: BLE001 - connection errors of every HTTP backend, offline mode
+        if type(err).__name__ == "OfflineModeIsEnabled":
+            return None, "HF_HUB_OFFLINE is set"
+        return None, f"{type(err).__name__}: {' '.join(str(err).split())[:120]}"
+    return [s.rfilename for s in info.siblings or []], ""
+
+
 def _is_glob(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
-def _matching(hub_id: str, pattern: str, revision: str | None) -> list[str]:
+def _matching(hub_id: str, pattern: str, revision: str | None, listing: list[str] | None) -> list[str]:
     """Files of the revision that match the glob: from the hub's file list, or from the cached snapshot when
-    the hub cannot be reached."""
-    from huggingface_hub import HfApi, snapshot_download
+    the hub cannot be reached (``listing`` None; raises if nothing is cached)."""
+    from huggingface_hub import snapshot_download
 
-    try:
-        info = HfApi().dataset_info(hub_id, revision=revision)
-        names = [s.rfilename for s in info.siblings or []]
-    except Exception:  # noqa: BLE001 - unreachable: fall back to the cache (re-raises if nothing is cached)
+    names = listing
+    if names is None:
         folder = Path(snapshot_download(hub_id, repo_type="dataset", revision=revision, allow_patterns=[pattern],
                                         local_files_only=True))
         names = [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]

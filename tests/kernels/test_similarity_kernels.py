@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.kernels import matching, similarity, triton_matching, triton_similarity
+from kvbench.kernels import matching, redundancy, similarity, triton_matching, triton_similarity
 
 
 def clustered_keys(B, H, T, D, dtype, seed=3):
@@ -51,3 +51,50 @@ def test_chunked_soft_matching_matches_reference(chunk_size, dtype):
     assert torch.equal(partner, partner_ref)
     assert (partner[0, 1] == -1).all() and (partner >= 0).sum() > 15
     torch.testing.assert_close(sim, sim_ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (2, 3, 150, 24), (1, 2, 130, 128)], ids=str)
+def test_best_match_cosine_matches_reference(shape, dtype):
+    B, H, T, D = shape
+    keys = clustered_keys(*shape, dtype)
+    g = torch.Generator().manual_seed(5)
+    targets = torch.rand(B, H, T, generator=g) < 0.3
+    sources = ~targets & (torch.rand(B, H, T, generator=g) < 0.9)
+    if H > 1:
+        targets[0, 1] = False  # a row without targets: its sources get no match
+    expected = similarity.best_match_cosine(keys, sources, targets, chunk=7)
+    got = triton_similarity.best_match_cosine(keys, sources, targets)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+
+
+def test_best_match_cosine_ties_go_to_the_earliest_target():
+    # slots 1, 3 and 70 hold the same direction (70 in a later target tile): every source picks slot 1
+    keys = torch.randn(1, 1, 80, 16, generator=torch.Generator().manual_seed(6))
+    keys[0, 0, [3, 70]] = 2 * keys[0, 0, 1]
+    keys[0, 0, 0] = keys[0, 0, 1]
+    targets = torch.zeros(1, 1, 80, dtype=torch.bool)
+    targets[0, 0, [1, 3, 70] + list(range(10, 60))] = True
+    sources = torch.zeros_like(targets)
+    sources[0, 0, 0] = True
+    similarity_, match = triton_similarity.best_match_cosine(keys, sources, targets)
+    assert match[0, 0, 0] == 1 and (match[0, 0, 1:] == -1).all()
+    assert float(similarity_[0, 0, 0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("similarity_", ["key_value", "key", "value"])
+def test_most_redundant_matches_reference(similarity_, dtype):
+    B, H, T, D = 2, 2, 140, 24
+    raw = clustered_keys(B, H, T, D, dtype)
+    values = clustered_keys(B, H, T, D, dtype, seed=8)
+    g = torch.Generator().manual_seed(9)
+    order = torch.rand(B, H, T, generator=g).argsort(-1)
+    sources, targets = order[..., :90], order[..., 90:]  # slot lists; some entries past the counts
+    source_count = torch.tensor([[90, 17], [0, 66]])
+    target_count = torch.tensor([[50, 3], [20, 0]])  # a row without targets
+    expected = redundancy.most_redundant(raw, values, sources, source_count, targets, target_count, similarity_,
+                                         chunk=16)
+    got = triton_similarity.most_redundant(raw, values, sources, source_count, targets, target_count, similarity_)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], atol=1e-6, rtol=1e-6)
+    assert (got[1][0, 0] >= 0).all() and (got[1][1, 1] == -1).all() and (got[1][1, 0] == -1).all()

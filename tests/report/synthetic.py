@@ -90,7 +90,8 @@ def efficiency_predictions(method) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write(root: Path, method, kind, value, params, task, predictions, metric_rows) -> None:
+def write(root: Path, method, kind, value, params, task, predictions, metric_rows) -> str:
+    """Publish one run; returns its run id."""
     config = {"model": MODEL, "method": method, "kind": kind, "value": value, "task": task, **params}
     rid = store.run_id(config)
     budget = label(kind, value)
@@ -102,6 +103,7 @@ def write(root: Path, method, kind, value, params, task, predictions, metric_row
     predictions.insert(0, "run_id", rid)
     metrics = pd.DataFrame([{**run, **row} for row in metric_rows])
     store.write_run(root, rid, "{}", predictions, metrics, {"run_id": rid})
+    return rid
 
 
 def make_results(root: Path) -> Path:

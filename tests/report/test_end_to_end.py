@@ -9,7 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
-from tests.report.wandb_records import decode_run
+from tests.report.wandb_records import decode_run, needs_wandb
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +21,7 @@ def run(args, cwd):
     return done
 
 
+@needs_wandb
 def test_sweep_then_report(tmp_path):
     root = tmp_path / "results"
     run(["-m", "kvbench", "-m", "model=tiny-llama-random", "method=full,streamingllm", "budget=0.2,0.5",

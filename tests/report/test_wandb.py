@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -9,9 +10,10 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from kvbench import trackers
 from kvbench.errors import ConfigError
 from kvbench.wandb_tracker import log_to_wandb, metric_key, sweep_group
-from tests.report.wandb_records import decode_run
+from tests.report.wandb_records import decode_run, needs_wandb
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "logger" / "wandb.yaml"
 
@@ -52,6 +54,7 @@ def test_defaults_are_offline_with_results_root_dir():
     assert cfg.name == "wandb" and cfg.mode == "offline" and cfg.project == "kvbench" and cfg.group is None
 
 
+@needs_wandb
 def test_offline_run_holds_metrics_config_group_and_tags(tmp_path):
     metrics, predictions = run_frames()
     run_dir = tmp_path / "runs" / "abc123"
@@ -78,12 +81,21 @@ def test_disabled_writes_nothing_and_bad_mode_is_rejected(tmp_path):
         log_to_wandb(logger(tmp_path, mode="sync"), {}, metrics, predictions, tmp_path / "runs" / "r")
 
 
+def test_without_the_wandb_package_the_run_is_refused_before_it_starts(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="logger=wandb needs the wandb package.*logger=none"):
+        trackers.check(logger(tmp_path))
+    trackers.check(logger(tmp_path, mode="disabled"))  # logs nothing: needs nothing
+
+
 def test_metric_keys_and_no_group_outside_a_hydra_sweep():
     assert metric_key({"dataset": "niah", "metric": "rouge1"}) == "niah/rouge1"
     assert metric_key({"dataset": "qasper", "metric": "score", "length_bucket": "8k+"}) == "qasper/score/8k+"
     assert sweep_group() is None
 
 
+@needs_wandb
 def test_a_run_finished_without_wandb_is_logged_when_asked_later(tmp_path):
     from kvbench import runner
     from tests.test_runner import make_cfg

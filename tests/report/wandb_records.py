@@ -7,11 +7,15 @@ each with a 7-byte header (CRC32C: 4, payload length: 2 LE, type: 1 = full, 2 = 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
 
-from wandb.proto import wandb_internal_pb2
+import pytest
+
+# wandb is not carried to the GPU machine (scripts/gpu_wheels.py): only logger=wandb needs it there
+needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="logger=wandb needs wandb")
 
 BLOCK = 32768
 HEADER = 7
@@ -19,6 +23,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def read_records(path: Path) -> list:
+    from wandb.proto import wandb_internal_pb2
+
     data = Path(path).read_bytes()
     assert data[:4] == b":W&B" and struct.unpack("<H", data[4:6])[0] == 0xBEE1, "not a W&B run file"
     records, pending, pos = [], b"", HEADER

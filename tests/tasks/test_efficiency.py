@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -17,12 +16,13 @@ from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.errors import ConfigError
 from kvbench.hardware import MemoryCap, parameter_bytes_read, tpot_bound_seconds
+from kvbench.memory import PeakMemory
 from kvbench.methods.full import Full
 from kvbench.methods.streamingllm import StreamingLLM
 from kvbench.tasks.base import Sample
 from kvbench.tasks.efficiency import Efficiency, largest_batch, throughput_metrics
+from tests.conftest import pythonpath_with_repo
 
-REPO = Path(__file__).resolve().parents[2]
 # tiny-llama-random: 2 layers, 2 key/value heads of width 16, float32 -> one slot of K+V in one head = 128 bytes
 SLOT_BYTES, LAYERS, KV_HEADS = 2 * 16 * 4, 2, 2
 
@@ -72,6 +72,25 @@ def test_latency_rows_carry_the_bound_by_hand(tiny_lm):
     metrics = {r["metric"]: r["value"] for r in task.aggregate(pd.DataFrame(rows))}
     assert metrics["full.tpot_bound_seconds"] == pytest.approx((params + kv) / 2000.0)
     assert metrics["memory_bandwidth_gbps"] == pytest.approx(2e-6)
+
+
+def test_cpu_peak_memory_counts_live_tensor_bytes():
+    with PeakMemory(torch.device("cpu"), baseline=100) as peak:
+        first = torch.empty(1000, dtype=torch.uint8)
+        del first  # freed before the larger one: the allocator may reuse it, the count still drops
+        second = torch.empty(3000, dtype=torch.float32)
+    assert peak.bytes == 100 + second.nbytes
+
+
+def test_plain_generate_cpu_peak_holds_at_least_its_kv_cache(tiny_lm):
+    n, new = 1000, 3
+    task = Efficiency(context_lengths=[n], new_tokens=new, warmup=1, repeats=1, memory_bandwidth_gbps=1.0)
+    rows = task.predict(task.samples(), tiny_lm, Engine(tiny_lm.model, Full(), Budget("fraction", 1.0)))
+    cache = (n + new - 1) * SLOT_BYTES * LAYERS * KV_HEADS  # every token but the last one's K+V
+    weights = sum(p.numel() * p.element_size() for p in tiny_lm.model.parameters())
+    for row in rows:  # plain generate and kvbench's full cache hold the same uncompressed cache
+        assert row["peak_memory_above_weights_bytes"] >= cache, row["system"]
+        assert row["peak_memory_bytes"] == weights + row["peak_memory_above_weights_bytes"]
 
 
 def replay(outcome, **search) -> tuple[list[int], tuple]:
@@ -169,7 +188,7 @@ def run_throughput(tmp_path, model: str, context: int, cap_gib: float) -> tuple[
             "task=efficiency", "task.measure=throughput", f"task.context_lengths=[{context}]", "task.new_tokens=2",
             f"task.memory_cap_gib={cap_gib}", "task.memory_bandwidth_gbps=10", "task.warmup=1", "task.repeats=2",
             f"results_root={root}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_repo()}
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     tries = pd.read_parquet(root / "predictions.parquet")
@@ -189,7 +208,7 @@ def check_throughput_run(tries: pd.DataFrame, metrics: dict, cap_gib: float) -> 
         # a real out-of-memory, recorded as a result: the batch just above the largest that fitted
         assert fitted >= 1 and failed == fitted + 1
         errors = search.loc[~search.fits, "error"]
-        assert len(errors) and errors.str.contains("memory").all()
+        assert len(errors) and errors.str.contains("memory", case=False).all()
         assert mine[mine.phase == "repeat"].batch_size.tolist() == [fitted]
         assert metrics[f"{system}.max_batch"] == fitted and metrics[f"{system}.failed_batch"] == failed
         at_max = mine[mine.fits & (mine.batch_size == fitted)]

@@ -18,7 +18,7 @@ import pytest
 from kvbench.errors import ConfigError
 from kvbench.tasks.sources import PACKAGE_DATA, read_records
 
-from tests.conftest import REPO
+from tests.conftest import REPO, pythonpath_with_repo
 from tests.fake_hub import FakeHub
 
 LONGBENCH, ZEROSCROLLS, PG19, GSM8K = "THUDM/LongBench", "tau/zero_scrolls", "emozilla/pg19-test", "openai/gsm8k"
@@ -90,7 +90,7 @@ def from_fixtures() -> dict:
 
 def load_through(endpoint: str, home: Path, revision: str = "main") -> dict:
     """Run the tasks' hub loading in a fresh process whose huggingface_hub talks to ``endpoint``."""
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "PYTHONPATH": pythonpath_with_repo()}
     env.pop("HF_HUB_OFFLINE", None)
     script = f"SOURCE, REV, TASKS = 'hub', {revision!r}, {TASKS!r}\n{LOAD_ALL}"
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
@@ -151,3 +151,37 @@ def test_unreachable_hub_fails_with_one_line_pointing_at_local_or_sample(monkeyp
     message = str(err.value)
     assert "\n" not in message and "task.source=local task.data_dir=" in message and "task.source=sample" in message
     assert "'data.zip' of THUDM/LongBench" in message
+
+
+@pytest.fixture
+def dead_hub(monkeypatch, tmp_path):
+    """huggingface_hub pointed at a port nothing listens on, with an empty cache."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return constants
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["no connection", "HF_HUB_OFFLINE"])
+def test_an_unreachable_hub_fails_at_once_without_retries(dead_hub, monkeypatch, caplog, offline):
+    """Issue 24, case 8: one request tells that the hub cannot be reached; no retry loop (huggingface_hub
+    retries a file 5 times, about 25 s, before looking in its cache)."""
+    import logging
+
+    from kvbench.tasks.longbench import LongBench
+    from kvbench.tasks.pg19 import PG19
+
+    monkeypatch.setattr(dead_hub, "HF_HUB_OFFLINE", offline)
+    for task, file in ((LongBench(datasets=["qasper"], source="hub"), "data.zip"), (PG19(source="hub"), "data/test-*")):
+        with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as err:
+            task.samples()
+        reason = "HF_HUB_OFFLINE is set" if offline else "Connect"  # httpx: ConnectError
+        assert f"could not fetch '{file}" in str(err.value) and "the hub cannot be reached" in str(err.value)
+        assert reason in str(err.value) and "\n" not in str(err.value)
+    assert "Retrying" not in caplog.text and "Retry" not in caplog.text
