@@ -2,6 +2,9 @@
 
     python -m kvbench.bench kernels                                  # CPU defaults (lengths 256..1024)
     python -m kvbench.bench kernels --device cuda --lengths 1024,2048,4096,8192,16384,32768,65536,131072
+    python -m kvbench.bench kernels --device cuda --ops cam_step,d2o_step,weightedkv_step,ems_step \
+        --lengths 3277,6554 --batch 64 --kv-heads 8 --head-dim 128  # one layer's decode step, graph-replayed
+        (the decode steps run only when --ops names them)
 
 Writes ``kernels.parquet`` (one row per operation x backend x length: median seconds of ``--repeats`` calls
 after one warm-up call), ``kernels_exponents.parquet`` (the fitted scaling exponent: slope of log time
@@ -25,6 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kvbench.bench_decode_steps import STEP_OPERATIONS
 from kvbench.errors import ConfigError
 
 CPU_LENGTHS = "256,512,1024"
@@ -50,6 +54,7 @@ def _attention_inputs(n: int, queries: int, args, device, dtype):
 
 def operations(args, device, dtype) -> dict[str, tuple[str, Callable[[int, str], Callable[[], object]]]]:
     """name -> (expected complexity, make(n, backend) -> a zero-argument call to time)."""
+    from kvbench.bench_decode_steps import decode_step_operations
     from kvbench.kernels import column_sums, compact, matching, merge, similarity
     from kvbench.kernels.attention_stats import ragged_attention
     from kvbench.kernels.dispatch import use_backend
@@ -100,6 +105,7 @@ def operations(args, device, dtype) -> dict[str, tuple[str, Callable[[int, str],
         "compact": ("n", compact_op),
         "adjacent_cosine": ("n", cosine),
         "chunked_soft_matching": ("n", soft_matching),
+        **decode_step_operations(args, device, dtype),
     }
 
 
@@ -129,7 +135,7 @@ def scaling_exponents(rows: pd.DataFrame) -> pd.DataFrame:
             slope = np.polyfit(np.log(part["length"]), np.log(part["seconds"]), 1)[0]
             out.append({"operation": op, "backend": backend, "complexity": part["complexity"].iloc[0],
                         "exponent": float(slope), "max_length": int(part["length"].max())})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=["operation", "backend", "complexity", "exponent", "max_length"])
 
 
 def plot(rows: pd.DataFrame, exponents: pd.DataFrame, path: Path) -> None:
@@ -171,7 +177,8 @@ def run_kernels(args) -> pd.DataFrame:
         complexity, make = ops[op]
         for backend in args.backends:
             for n in args.lengths:
-                seconds = time_call(make(n, backend), args.repeats, device)
+                call = make(n, backend)
+                seconds = time_call(call, args.repeats, device) / getattr(call, "steps", 1)  # per step
                 rows.append({"operation": op, "backend": backend, "length": n, "seconds": seconds,
                              "complexity": complexity, "device": str(device), "dtype": args.dtype,
                              "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
@@ -228,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     from kvbench.kernels import dispatch
 
-    args.ops = args.ops.split(",") if args.ops else list(operations(args, torch.device(args.device), torch.float32))
+    # default: every operation but the decode steps, whose shapes are a layer's (--batch, --kv-heads)
+    args.ops = args.ops.split(",") if args.ops else [
+        op for op in operations(args, torch.device(args.device), torch.float32) if op not in STEP_OPERATIONS]
     rows = run_kernels(args)
     exponents = scaling_exponents(rows)
     args.out.mkdir(parents=True, exist_ok=True)

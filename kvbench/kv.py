@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.append import append_slots
-from kvbench.kernels.slots import evict_lowest, move_last_into, next_slots, select_lowest
+from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
 
 
 @dataclass
@@ -203,6 +203,18 @@ class LayerKV:
             return None
         return self.state_block if all(t is v for t, v in zip(self.state.values(), views)) else None
 
+    def state_storage(self) -> Tensor:
+        """The (S, B, H, T) float32 block every state entry is a view of, packing the states first if they are
+        not (the engine's decode storage always is), for the fused decode steps that move every state at once."""
+        block = self.packed_state()
+        if block is None:
+            self.pack_state()
+            block = self.packed_state()
+        if block is None:
+            dtypes = sorted({str(t.dtype) for t in self.state.values()})
+            raise ValueError(f"fused decode steps need float32 states; got {dtypes}")
+        return block
+
     def remove_slot(self, victim: Tensor) -> None:
         """Remove slot ``victim`` (B, H) of every row in place: the row's last slot moves into it and the row
         shrinks by one (one slot copied per row instead of a re-gathered cache). Slots are no longer in
@@ -220,11 +232,6 @@ class LayerKV:
         """(B, H) each row's lowest-scoring slot outside its first ``sinks`` slots and its ``recent`` newest
         positions ((B, H) each; ties to the oldest position; ``kernels.slots.select_lowest``)."""
         return select_lowest(scores, self.lengths, self.positions, sinks, recent)
-
-    def next_slots(self, slot: Tensor, count: int) -> tuple[Tensor, Tensor]:
-        """The slots holding the ``count`` positions after slot ``slot`` (B, H) of each row, oldest first, and
-        whether each is real (``kernels.slots.next_slots``)."""
-        return next_slots(self.positions, self.lengths, slot, count)
 
     def evict_lowest(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> None:
         """Remove, in place, the slot ``lowest_slot`` picks (one launch in Triton when the state is packed)."""

@@ -3,8 +3,8 @@
 # transformers, pandas, pyarrow, ... (scripts/gpu_image_packages.txt) and whose other kvbench dependencies travel
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests; bash $s e2e; bash $s decode --methods A,B ...; bash $s sweep; bash $s grid --models M \
-#       --methods A,B --lengths 32768 ...; bash $s pack
+#   bash $s setup; bash $s tests; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep
+#   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
 # KVBENCH_KERNEL_TESTS (default cuda) let a machine without a GPU rehearse the steps.
@@ -65,6 +65,12 @@ sweep)  # fused sweeps (issue 22), one process: the 6-point sweep alone and fuse
 prefill)  # every method's prompt compression on one Llama-3.1-8B-shaped layer beside the layer (16k, 32k)
   timeout 240 python3 scripts/bench_prefill.py --profile "$@" > $work/bench_prefill.log 2>&1
   echo "bench_prefill rc=$?"; grep -E "^\|" $work/bench_prefill.log ;;
+steps)  # the merging methods' decode step of one layer (Llama-3.1-8B shape: 8 KV heads, d 128), graph-replayed
+  for batch in 1 64; do
+    timeout 120 python3 -m kvbench.bench kernels --device cuda --ops cam_step,d2o_step,weightedkv_step,ems_step \
+      --lengths 3277,6554 --batch $batch --kv-heads 8 --head-dim 128 --repeats 5 --out $work/steps_b$batch \
+      2>&1 | tail -24
+  done ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 targets)
@@ -72,5 +78,5 @@ targets)
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, sweep, prefill, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, sweep, prefill, steps, grid, targets, pack"; exit 2 ;;
 esac

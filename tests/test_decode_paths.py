@@ -36,6 +36,16 @@ CASES = {name: (name, OVERRIDES.get(name, [])) for name in METHODS} | {
     "d2o_layer_threshold": ("d2o", ["method.threshold_scope=layer"]),
     "d2o_code_mean": ("d2o", ["method.merge_rule=code_mean"]),
     "weightedkv_recent2": ("weightedkv", ["method.recent=2"]),
+    # EMS: every TBM token merges (the look-up table fills and drops its oldest members), eviction only, no
+    # first-level eviction, and the bias expansion with and without positions and multiplicity
+    "ems_merge_all": ("ems", ["method.window=4", "method.tau=0"]),
+    "ems_eviction_only": ("ems", ["method.window=4", "method.gamma=1"]),
+    "ems_gamma_inf": ("ems", ["method.window=4", "method.gamma=inf", "method.tau=0.2", "method.similarity=key"]),
+    "ems_bias": ("ems", ["method.window=4", "method.expansion=bias", "method.tau=0.2"]),
+    "ems_bias_with_positions": ("ems", ["method.window=4", "method.expansion=bias", "method.positions=with",
+                                        "method.tau=0", "method.similarity=value"]),
+    "ems_bias_plain": ("ems", ["method.window=4", "method.expansion=bias", "method.multiplicity_bias=false",
+                               "method.tau=0.1"]),
 }
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
                "aten::_unique2", "aten::repeat_interleave.Tensor"}
@@ -51,6 +61,14 @@ def build(case: str):
 def random_prompts(lengths, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def table_entries(kv, b: int, h: int) -> list:
+    """Row (b, h)'s used look-up-table entries (EMS) as sorted (position, centre, norm), whatever their order."""
+    if "lut_position" not in kv.tables:
+        return []
+    position, centre, norm = (kv.tables[name][b, h].tolist() for name in ("lut_position", "lut_centre", "lut_norm"))
+    return sorted((p, c, pytest.approx(n, rel=1e-5)) for p, c, n in zip(position, centre, norm) if p >= 0)
 
 
 def by_position(kv, b: int, h: int) -> dict:
@@ -88,6 +106,7 @@ def test_in_place_eviction_keeps_what_compress_keeps(tiny_model, name):
                     torch.testing.assert_close(got[pos][0], want[pos][0])
                     torch.testing.assert_close(got[pos][1], want[pos][1])
                     assert got[pos][2] == pytest.approx(want[pos][2], rel=1e-5, abs=1e-6)
+                assert table_entries(fast.kv, b, h) == table_entries(ref.kv, b, h)
 
 
 @pytest.mark.parametrize("name", [case for case in CASES if build(case).evicts_in_place])
@@ -95,6 +114,12 @@ def test_in_place_eviction_under_random_attention(name):
     """The same comparison without a model: random attention per position at every step (the tiny model's
     near-uniform attention ranks slots by age, so CaM's merge probabilities would all be 1), checked after
     every step. WeightedKV draws attention from {0, 1/2, 1}: ties of a / n, which go to the oldest slot."""
+    compare_under_random_attention(name, "torch")
+
+
+def compare_under_random_attention(name: str, backend: str) -> None:
+    """``compress`` (torch kernels) against ``observe`` + ``evict_one`` with ``backend``'s kernels, after every
+    step of a random-attention decode (see the test above)."""
     method = build(name)
     g = torch.Generator().manual_seed(0)
     B, H, D, prompt, steps = 2, 2, 8, 30, 24
@@ -107,9 +132,12 @@ def test_in_place_eviction_under_random_attention(name):
 
     kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g), torch.randn(B, H, prompt, D, generator=g))
     scores = attention(B, H, prompt)
-    prefill = AttentionStats(column_sums=scores, window_column_sums=scores, num_queries=torch.full((B,), prompt))
-    ref = method.compress(0, kv, prefill, n_keep, "prefill")
+    prefill = AttentionStats(column_sums=scores, window_column_sums=scores, num_queries=torch.full((B,), prompt),
+                             raw_keys=kv.keys)  # raw keys as they are (no RoPE)
+    with use_backend("torch"):
+        ref = method.compress(0, kv, prefill, n_keep, "prefill")
     fast = ref.gather(torch.arange(ref.capacity).expand(B, H, -1), ref.lengths.clone())
+    fast.tables = {name: table.clone() for name, table in ref.tables.items()}  # updated in place
     fast.resize(ref.capacity + 1)
     fast.pack_state()  # the engine's decode storage
     for step in range(steps):
@@ -121,10 +149,14 @@ def test_in_place_eviction_under_random_attention(name):
             kv.reserve(1)
             kv.write(keys, values, position)
             seen = step_attention.gather(2, kv.positions.clamp(min=0))
-            stats.append(AttentionStats(step_attention=torch.where(kv.valid(), seen, 0.0), num_queries=torch.ones(B)))
-            method.observe(0, kv, stats[-1])
-        ref = method.compress(0, ref, stats[0], n_keep, "decode")
-        method.evict_one(0, fast, stats[1], n_keep)
+            stats.append(AttentionStats(step_attention=torch.where(kv.valid(), seen, 0.0), num_queries=torch.ones(B),
+                                        raw_keys=kv.keys))
+        with use_backend("torch"):
+            method.observe(0, ref, stats[0])
+            ref = method.compress(0, ref, stats[0], n_keep, "decode")
+        with use_backend(backend):
+            method.observe(0, fast, stats[1])
+            method.evict_one(0, fast, stats[1], n_keep)
         assert fast.lengths.tolist() == ref.lengths.tolist()
         for b in range(B):
             for h in range(H):
@@ -134,6 +166,7 @@ def test_in_place_eviction_under_random_attention(name):
                     torch.testing.assert_close(got[pos][0], want[pos][0])
                     torch.testing.assert_close(got[pos][1], want[pos][1])
                     assert got[pos][2] == pytest.approx(want[pos][2], rel=1e-5, abs=1e-6, nan_ok=True)
+                assert table_entries(fast, b, h) == table_entries(ref, b, h), f"step {step}"
 
 
 class HostReads(TorchDispatchMode):

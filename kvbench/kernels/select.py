@@ -1,6 +1,9 @@
 """Score-based slot selection shared by every eviction method: protected sinks + recent window + top-k, and
 a plain top-count-per-row mask.
 
+The protection rules of StreamingLLM (``sinks_and_recent``, ``eviction_order``) and H2O (``heavy_split``) live here
+because CaM's decode step (``cam_step``) evicts with either.
+
 All functions work on left-aligned ragged rows (see ``kvbench.kv.LayerKV``): row ``(b, h)`` has
 ``lengths[b, h]`` real slots; slots ``[0, sinks)`` are the oldest tokens and ``[len - recent, len)`` the newest.
 """
@@ -21,6 +24,30 @@ def protected_mask(lengths: Tensor, capacity: int, sinks: int, recent: int) -> T
     slots = torch.arange(capacity, device=lengths.device).view(1, 1, -1)
     length = lengths.unsqueeze(-1)
     return (slots < min(sinks, capacity)) | ((slots >= length - recent) & (slots < length))
+
+
+def sinks_and_recent(n_keep: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
+    """(B, H) budget -> per-row (sinks, recent), each (B, H, 1), with sinks + recent = n_keep (StreamingLLM).
+
+    ``keep_topk`` broadcasts them against (B, H, T) slot indices, so every row gets its own window.
+    """
+    row_sinks = n_keep.clamp(max=sinks)
+    return row_sinks.unsqueeze(-1), (n_keep - row_sinks).unsqueeze(-1)
+
+
+def eviction_order(positions: Tensor, keep: Tensor, sinks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(scores, sinks, recent) for ``slots.select_lowest``: the one slot a row of ``keep`` (B, H) + 1 slots
+    drops under StreamingLLM is the oldest after the sinks, or the newest when the budget is all sinks."""
+    row_sinks, recent = sinks_and_recent(keep, sinks)
+    age = torch.where(recent > 0, positions, -positions)  # oldest first; newest first if no window
+    return age, row_sinks.squeeze(-1), torch.zeros_like(keep)
+
+
+def heavy_split(keep: Tensor, heavy_ratio: float, sinks: int) -> tuple[Tensor, Tensor]:
+    """Per-row (B, H, 1) protected sinks and recent window of a (B, H) budget split into
+    ``floor(heavy_ratio * keep)`` heavy hitters (sinks among them) and the rest recent (H2O, CaM's H2O)."""
+    heavy = torch.floor(heavy_ratio * keep.double()).long()
+    return heavy.clamp(max=sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)
 
 
 def keep_topk(

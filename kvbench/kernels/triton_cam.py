@@ -3,7 +3,7 @@
 
 One program per (slot tile, b, h): every slot adds the scores of its next n real slots in the order the
 reference adds them (offset 1 first), divides with IEEE rounding (``div_rn``; Triton's plain ``/`` on float32
-is approximate), and draws its Bernoulli mask from the same counter-based hash (``cam.mix32`` on int64, the
+is approximate), and draws its Bernoulli mask from the same counter-based hash (``triton_cam_step.uniform_draw``, the
 multipliers below 2^31 so no product overflows). A draw is exact, so a mask never differs from the reference.
 """
 
@@ -14,17 +14,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_cam_step import uniform_draw
+
 BLOCK_T = 256
-
-
-@triton.jit
-def _mix32(x):
-    mask = tl.full(x.shape, 0xFFFFFFFF, tl.int64)
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & mask
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & mask
-    return x ^ (x >> 15)
 
 
 @triton.jit
@@ -51,14 +43,10 @@ def _merge_shares(
     if DETERMINISTIC:
         merged = prob
     else:
-        mask32 = tl.full((BLOCK_T,), 0xFFFFFFFF, tl.int64)
         head = tl.zeros((BLOCK_T,), tl.int64) + pid_bh % H
         position = tl.load(pos_ptr + base + slots, mask=in_row, other=0).to(tl.int64)
         newest = tl.load(newest_ptr + pid_bh).to(tl.int64)
-        x = _mix32(head ^ key)
-        x = _mix32(x ^ (position & mask32))
-        x = _mix32(x ^ (newest & mask32))
-        merged = ((x >> 8).to(tl.float32) * 5.9604644775390625e-08 < prob).to(tl.float32)  # 2^-24
+        merged = (uniform_draw(key, head, position, newest) < prob).to(tl.float32)
     tl.store(out_ptr + base + slots, tl.math.div_rn(merged, tl.full((BLOCK_T,), N, tl.float32)), mask=in_row)
 
 

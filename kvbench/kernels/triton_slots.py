@@ -2,7 +2,9 @@
 
 One program per row (b, h): it scans the row in tiles (the newest position, then the lowest unprotected
 score), and moves the row's last slot (key, value, position, every state) into the chosen one. A decode step
-of an evicting method is then one launch per layer instead of a dozen small torch operations.
+of an evicting method is then one launch per layer instead of a dozen small torch operations. The row
+operations (``newest_position``, ``lowest_unprotected``, ``next_position``, ``move_last``, the best-match folds
+and ``row_blocks``) are also the parts of the merging methods' fused decode steps (``triton_*_step``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,58 @@ from torch import Tensor
 BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
 WARPS = 16
 NO_POSITION = tl.constexpr(2**63 - 1)  # above every real position
+PROGRAMS_PER_SM = 4  # ``row_blocks`` splits rows until about this many programs per multiprocessor
+CPU_PROGRAMS = 8  # the interpreter's stand-in for a device's programs (so that tests cover several blocks)
 
 
 @triton.jit
-def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: tl.constexpr):
-    """The slot to drop in one row (see slots.select_lowest)."""
-    length = tl.load(len_ptr + row)
-    sinks = tl.load(sink_ptr + row)
-    recent = tl.load(recent_ptr + row)
+def newest_position(pos_ptr, row, length, C, BLOCK_C: tl.constexpr):
+    """The newest position of one row (-1 when it is empty)."""
     newest = tl.full((), -1, tl.int64)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         pos = tl.load(pos_ptr + row * C + c, mask=c < length, other=-1)
         newest = tl.maximum(newest, tl.max(pos, 0))
+    return newest
+
+
+@triton.jit
+def fold_lowest(best, oldest, victim, score, pos, c, free):
+    """Fold one tile into the running (lowest score, its position, its slot) of the ``free`` slots: ties go to
+    the oldest position (slots.select_lowest's rule); no free slot anywhere leaves slot 0."""
+    score = tl.where(free, score, float("inf"))
+    low = tl.min(score, 0)
+    lowest = free & (score == low)
+    first = tl.min(tl.where(lowest, pos, NO_POSITION), 0)
+    slot = tl.min(tl.where(lowest & (pos == first), c, 2147483647), 0).to(tl.int64)
+    better = (low < best) | ((low == best) & (first < oldest))
+    return tl.where(better, low, best), tl.where(better, first, oldest), tl.where(better, slot, victim)
+
+
+@triton.jit
+def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
+    """(position, slot) of the oldest position after ``after`` in one row; (NO_POSITION, 0) when there is none
+    (slots.next_slots, one at a time)."""
+    best = tl.full((), NO_POSITION, tl.int64)
+    slot = tl.full((), 0, tl.int64)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        real = c < length
+        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
+        later = real & (pos > after)
+        low = tl.min(tl.where(later, pos, NO_POSITION), 0)
+        at = tl.min(tl.where(later & (pos == low), c, 2147483647), 0).to(tl.int64)
+        slot = tl.where(low < best, at, slot)
+        best = tl.minimum(low, best)
+    return best, slot
+
+
+@triton.jit
+def lowest_unprotected(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C,
+                       BY_SCORE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The slot to drop in one row (slots.select_lowest): the lowest score among the real slots from the
+    ``sinks``-th on whose position is at least ``recent`` before ``newest``; ties to the oldest position.
+    BY_SCORE: the scores at ``score_ptr``; else a slot's position times ``age_sign`` (StreamingLLM's order)."""
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)  # position of the best slot so far (ties: the oldest wins)
     victim = tl.full((), 0, tl.int64)
@@ -35,22 +76,53 @@ def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: 
         c = c0 + tl.arange(0, BLOCK_C)
         real = c < length
         pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+        if BY_SCORE:
+            score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+        else:
+            score = (pos * age_sign).to(tl.float32)
         free = real & (c >= sinks) & (pos <= newest - recent)
-        score = tl.where(free, score, float("inf"))
-        low = tl.min(score, 0)
-        lowest = free & (score == low)
-        first = tl.min(tl.where(lowest, pos, NO_POSITION), 0)
-        slot = tl.min(tl.where(lowest & (pos == first), c, 2147483647), 0).to(tl.int64)
-        better = (low < best) | ((low == best) & (first < oldest))
-        victim = tl.where(better, slot, victim)
-        oldest = tl.where(better, first, oldest)
-        best = tl.where(better, low, best)
+        best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c, free)
     return victim
 
 
 @triton.jit
-def _move(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+def fold_highest(best, oldest, match, score, pos, slot, ok):
+    """Fold one tile into the running (highest score, its position, its slot) of the ``ok`` slots: ties go to
+    the oldest position; no ok slot anywhere leaves (-inf, NO_POSITION, -1)."""
+    score = tl.where(ok, score, float("-inf"))
+    high = tl.max(score, 0)
+    tied = ok & (score == high)
+    first = tl.min(tl.where(tied, pos, NO_POSITION), 0)
+    at = tl.min(tl.where(tied & (pos == first), slot, 2147483647), 0).to(tl.int64)
+    better = (high > best) | ((high == best) & (first < oldest))
+    return tl.where(better, high, best), tl.where(better, first, oldest), tl.where(better, at, match)
+
+
+@triton.jit
+def best_of_blocks(score_ptr, pos_ptr, slot_ptr, row, NB, BLOCK_NB: tl.constexpr):
+    """(score, slot) of the best of a row's NB block results (each block's ``fold_highest``, stored by a first
+    launch at [row * NB + block]): the highest score, ties to the oldest position; slot -1 for none."""
+    b = tl.arange(0, BLOCK_NB)
+    score = tl.load(score_ptr + row * NB + b, mask=b < NB, other=float("-inf"))
+    pos = tl.load(pos_ptr + row * NB + b, mask=b < NB, other=NO_POSITION)
+    high = tl.max(score, 0)
+    first = tl.min(tl.where(score == high, pos, NO_POSITION), 0)
+    slot = tl.min(tl.where((score == high) & (pos == first) & (b < NB),
+                           tl.load(slot_ptr + row * NB + b, mask=b < NB, other=-1), NO_POSITION), 0)
+    return high, tl.where(high > float("-inf"), slot, -1)
+
+
+@triton.jit
+def _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C: tl.constexpr):
+    """The slot to drop in one row (see slots.select_lowest)."""
+    length = tl.load(len_ptr + row)
+    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
+    return lowest_unprotected(score_ptr, pos_ptr, row, length, tl.load(sink_ptr + row), tl.load(recent_ptr + row),
+                              newest, 1, C, True, BLOCK_C)
+
+
+@triton.jit
+def move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
           BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     last = tl.load(len_ptr + row) - 1
     d, dv, s = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_S)
@@ -74,7 +146,7 @@ def _select_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, out_ptr, C
 def _move_kernel(victim_ptr, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
-    _move(tl.load(victim_ptr + row), row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+    move_last(tl.load(victim_ptr + row), row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
           BLOCK_D, BLOCK_DV, BLOCK_S)
 
 
@@ -84,12 +156,29 @@ def _evict_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, k_ptr, v_pt
                   BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     victim = _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C)
-    _move(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
+    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
           BLOCK_D, BLOCK_DV, BLOCK_S)
 
 
-def _block(n: int) -> int:
+def scan_tile(n: int, largest: int) -> int:
+    """The tile of a scan over n slots or entries: n rounded up to a power of two, within [1024, largest] (one
+    compiled variant for every short row: a masked 1024-wide tile costs what a narrower one does)."""
+    return min(largest, max(1024, block_size(n)))
+
+
+def block_size(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
+
+
+def row_blocks(rows: int, C: int, tile: int, device: torch.device) -> tuple[int, int]:
+    """Split each of ``rows`` rows of C slots into blocks of whole tiles, enough to fill the device: (number
+    of blocks per row, slots per block). A kernel that reads every key of a row (a best-match search) runs one
+    program per (row, block), so that a batch of one still spreads over the multiprocessors."""
+    programs = CPU_PROGRAMS if device.type != "cuda" else (
+        PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    wanted = max(1, min(triton.cdiv(programs, rows), triton.cdiv(C, tile)))
+    span = triton.cdiv(triton.cdiv(C, wanted), tile) * tile
+    return triton.cdiv(C, span), span
 
 
 def _rows(*tensors: Tensor) -> list[Tensor]:
@@ -101,32 +190,33 @@ def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Ten
     B, H, C = scores.shape
     victim = torch.empty(B, H, dtype=torch.long, device=scores.device)
     scores, positions, sinks, recent = _rows(scores, positions, sinks.expand(B, H), recent.expand(B, H))
-    _select_kernel[(B * H,)](scores, lengths, positions, sinks, recent, victim, C, BLOCK_C=min(BLOCK_C, _block(C)),
+    _select_kernel[(B * H,)](scores, lengths, positions, sinks, recent, victim, C, BLOCK_C=min(BLOCK_C, block_size(C)),
                              num_warps=WARPS)
     return victim
 
 
-def _check_storage(lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor, state: Tensor) -> None:
-    if not all(t.is_contiguous() for t in (lengths, keys, values, positions, state)):
+def check_storage(*storage: Tensor) -> None:
+    """The in-place kernels index rows as (b * H + h) * C + slot: every tensor they write must be contiguous."""
+    if not all(t.is_contiguous() for t in storage):
         raise ValueError("in-place slot moves need contiguous storage (the engine's static storage is)")
 
 
 def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
                    state: Tensor) -> None:
     B, H, C, D = keys.shape
-    _check_storage(lengths, keys, values, positions, state)
+    check_storage(lengths, keys, values, positions, state)
     S = state.shape[0]
     _move_kernel[(B * H,)](victim.contiguous(), lengths, keys, values, positions, state if S else positions,
-                           C, D, values.shape[-1], S, B * H * C, BLOCK_D=_block(D),
-                           BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S))
+                           C, D, values.shape[-1], S, B * H * C, BLOCK_D=block_size(D),
+                           BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S))
 
 
 def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
                  keys: Tensor, values: Tensor, state: Tensor) -> None:
     B, H, C, D = keys.shape
-    _check_storage(lengths, keys, values, positions, state)
+    check_storage(lengths, keys, values, positions, state)
     scores, sinks, recent = _rows(scores, sinks.expand(B, H), recent.expand(B, H))
     S = state.shape[0]
     _evict_kernel[(B * H,)](scores, lengths, positions, sinks, recent, keys, values, state if S else positions,
-                            C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, _block(C)),
-                            BLOCK_D=_block(D), BLOCK_DV=_block(values.shape[-1]), BLOCK_S=_block(S), num_warps=WARPS)
+                            C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, block_size(C)),
+                            BLOCK_D=block_size(D), BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S), num_warps=WARPS)

@@ -110,9 +110,10 @@ class Method:
         (in any order; positions say which token each slot holds). Merge whatever the method merges into
         slots that stay and drop one slot per row (``LayerKV.evict_lowest``, or ``LayerKV.remove_slot`` of a
         slot found with ``LayerKV.lowest_slot``; whatever depends on positions, such as "the next slots",
-        from ``kv.positions``, e.g. ``LayerKV.next_slots``), writing ``kv`` in place. Must give the same
-        cache, up to slot order, as ``compress`` (tests compare the two), and must not read device values
-        back (it runs inside CUDA graphs): fixed-shape operations only."""
+        from ``kv.positions``, e.g. ``kernels.slots.next_slots``; the merging methods' fused steps are
+        ``kernels.*_step``), writing ``kv`` in place. Must give the same cache, up to slot order, as
+        ``compress`` (tests compare the two), and must not read device values back (it runs inside CUDA
+        graphs): fixed-shape operations only."""
         raise NotImplementedError
 
     def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
@@ -152,19 +153,6 @@ def prompt_observers(kv: LayerKV) -> Tensor:
     uncompressed) cache: ``length - slot`` (causal attention), 0 on padding."""
     slots = torch.arange(kv.capacity, device=kv.keys.device).view(1, 1, -1)
     return (kv.lengths.unsqueeze(-1) - slots).clamp(min=0).float()
-
-
-def pass_observers(kv: LayerKV, stats: AttentionStats) -> Tensor:
-    """(B, H, T) float: how many queries of the last pass could attend each slot, after the pass appended its
-    tokens: ``num_queries`` for the older slots, ``q - i`` for the pass's i-th new token (causal), 0 on padding.
-
-    A pass of q tokens counts as q observations, as q one-token steps would; ``num_queries=None`` (a bare
-    statistics object) counts as one query."""
-    valid = kv.valid()
-    queries = 1 if stats.num_queries is None else stats.num_queries.to(kv.positions).view(-1, 1, 1)
-    newest = kv.positions.masked_fill(~valid, -1).amax(-1, keepdim=True)  # (B, H, 1) the pass's last token
-    seen = torch.minimum((newest - kv.positions + 1).clamp(min=0), torch.as_tensor(queries, device=valid.device))
-    return seen.masked_fill(~valid, 0).float()
 
 
 def check_count(method: str, minimum: int, **values) -> None:

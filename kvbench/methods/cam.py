@@ -45,7 +45,8 @@ O(T log T); the cascade x_s = v_s + sum over j in [s - n, s) of m_j x_j / n (m =
 banded triangular system over the row's slots whose solution is every slot's final value, solved in blocks
 of S at once and carried across blocks (``kernels.cascade``): O(T S (d + n) + T n (n + d)), a handful of
 batched operations and no loop over the row; the window scores O(n T), at every call. A decode step in place
-(``evict_one``): O(T) for the victim, O(T log n) for its n next positions, O(n d) for the merge.
+(``evict_one``): O(T) for the victim, O(n T) for its n next positions (n scans of the row, in the fused
+kernel), O(n d) for the merge.
 """
 
 from __future__ import annotations
@@ -57,14 +58,13 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.cam_step import cam_step, draw_key, merge_probability, uniform_draws
 from kvbench.kernels.cascade import banded_cascade
 from kvbench.kernels.dispatch import use_triton
-from kvbench.kernels.select import keep_topk, true_first
+from kvbench.kernels.select import heavy_split, keep_topk, sinks_and_recent, true_first
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
-from kvbench.methods.h2o import heavy_split
-from kvbench.methods.streamingllm import eviction_order, sinks_and_recent
 
 ATTENTION = "attention"
 EVICTIONS = ("streamingllm", "h2o")
@@ -121,26 +121,11 @@ class CaM(Method):
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place: the slot the policy drops adds m_e v_e / n
-        to the values of the slots holding the next n positions, and leaves; keys and scores stay."""
-        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        attention = kv.state[ATTENTION]
-        if self.eviction == "streamingllm":
-            victim = kv.lowest_slot(*eviction_order(kv, keep, self.sinks))
-        else:
-            sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
-            victim = kv.lowest_slot(attention, sinks.squeeze(-1), recent.squeeze(-1))
-        targets, real = kv.next_slots(victim, self.merge_tokens)  # (B, H, n) each
-        evicted = victim.unsqueeze(-1)  # (B, H, 1)
-        total = torch.where(real, attention.gather(2, targets), 0.0).sum(-1, keepdim=True)
-        prob = merge_probability(attention.gather(2, evicted), total, real.sum(-1, keepdim=True))
-        share = self._merge_mask(layer, kv, prob, kv.positions.gather(2, evicted)) / self.merge_tokens
-        width = kv.values.shape[-1]
-        x_e = kv.values.gather(2, evicted.unsqueeze(-1).expand(-1, -1, 1, width)).float()  # earlier merges included
-        at_targets = targets.unsqueeze(-1).expand(-1, -1, -1, width)
-        received = kv.values.gather(2, at_targets).float()
-        received = torch.where(real.unsqueeze(-1), received + x_e * share.unsqueeze(-1), received)
-        kv.values.scatter_(2, at_targets, received.to(kv.values.dtype))
-        kv.remove_slot(victim)
+        to the values of the slots holding the next n positions, and leaves; keys and scores stay
+        (``kernels.cam_step``: one launch with the Triton backend)."""
+        cam_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ATTENTION], n_keep,
+                 self.sinks, None if self.eviction == "streamingllm" else self.heavy_ratio, self.merge_tokens,
+                 None if self.deterministic else draw_key(self.seed, layer))
 
     def _select(self, attention: Tensor, keep: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """The preliminary eviction: (index (B, H, K), new lengths (B, H)) as ``keep_topk`` returns them."""
@@ -158,7 +143,7 @@ class CaM(Method):
 
             newest = torch.where(kv.valid(), kv.positions, -1).amax(-1)
             return triton_cam.merge_shares(attention, kv.lengths, kv.positions, evicted, newest, self.merge_tokens,
-                                           None if self.deterministic else self._draw_key(layer))
+                                           None if self.deterministic else draw_key(self.seed, layer))
         prob = self._merge_probabilities(kv, attention, evicted)
         return self._merge_mask(layer, kv, prob, kv.positions) / self.merge_tokens
 
@@ -180,41 +165,7 @@ class CaM(Method):
             return prob
         newest = torch.where(kv.valid(), kv.positions, -1).amax(-1, keepdim=True)  # (B, H, 1)
         head = torch.arange(kv.lengths.shape[1], device=prob.device).view(1, -1, 1)
-        return (uniform_draws(self._draw_key(layer), head, position, newest) < prob).float()
-
-    def _draw_key(self, layer: int) -> int:
-        """The hash key of a layer's draws."""
-        return mix32(mix32(self.seed & MASK32) ^ layer)
-
-
-def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:
-    """p_e = min(1, a_e / mean), the mean a of e's ``count`` targets being ``total / count``; a zero mean gives 1
-    if a_e > 0, else 0; no targets give 0. Tensors broadcast against each other."""
-    mean = total / count.clamp(min=1)
-    ratio = torch.where(mean > 0, score / mean.clamp(min=torch.finfo(torch.float32).tiny), (score > 0).float())
-    return torch.where(count > 0, ratio.clamp(0, 1), 0.0)
-
-
-MASK32 = 0xFFFFFFFF
-
-
-def mix32(x):
-    """Finalizer of a 32-bit integer hash (xor-shift-multiply rounds), for ints and int64 tensors in
-    [0, 2^32): the multipliers are odd and below 2^31, so no int64 product overflows."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & MASK32
-    return x ^ (x >> 15)
-
-
-def uniform_draws(key: int, head: Tensor, position: Tensor, step: Tensor) -> Tensor:
-    """float32 in [0, 1) (24 random bits), a pure function of (key, head, position, step), broadcast: a
-    counter-based generator, so that a slot's draw is the same in any slot order and on any device."""
-    x = mix32(key ^ head)
-    x = mix32(x ^ (position & MASK32))
-    x = mix32(x ^ (step & MASK32))
-    return (x >> 8).float() * 2.0**-24
+        return (uniform_draws(draw_key(self.seed, layer), head, position, newest) < prob).float()
 
 
 CASCADE_BLOCK = 64  # slots per diagonal block of ``evicted_values``'s solve (``kernels.cascade``)

@@ -63,9 +63,10 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.d2o_step import d2o_step, ema_threshold, merge_terms, protection
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.select import keep_topk
-from kvbench.kernels.similarity import best_match_cosine, slot_best_match
+from kvbench.kernels.similarity import best_match_cosine
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
@@ -200,49 +201,25 @@ class D2O(Method):
         """``compress`` of a row one slot over its budget, in place: the lowest accumulated attention outside
         the sinks and the recent window leaves, merges into its most similar remaining slot when the cosine
         passes the EMA threshold (the only slot whose key and value change), and every slot takes the new
-        threshold."""
-        sinks, recent = self._protected(per_sample_n_keep(n_keep, kv))
-        victim = kv.lowest_slot(kv.state[ATTENTION], sinks, recent)  # (B, H)
-        others = kv.valid() & (torch.arange(kv.capacity, device=victim.device) != victim.unsqueeze(-1))
-        similarity, match = slot_best_match(kv.keys, kv.positions, victim, others)  # (B, H) each
-        threshold = self._threshold(kv, similarity, torch.ones_like(similarity))
-        merged = (match >= 0) & (similarity >= threshold)
-        own, merged_raw, merged_mass = self._merge_terms(similarity)
-        norm = (own + torch.where(merged, merged_mass, 0.0)).clamp(min=1e-12)
-        own = torch.full_like(norm, own)  # divided as a tensor, as compress does (float / tensor multiplies by 1/x)
-        own, incoming = ((w / norm).view(*norm.shape, 1, 1) for w in (own, torch.where(merged, merged_raw, 0.0)))
-        target, source = match.clamp(min=0).view(*match.shape, 1, 1), victim.view(*victim.shape, 1, 1)
-        for t in (kv.keys, kv.values):  # unmerged: the target is rewritten with weight 1 on itself, 0 on the victim
-            at_target, at_victim = (i.expand(-1, -1, 1, t.shape[-1]) for i in (target, source))
-            mixed = own * t.gather(2, at_target).float() + incoming * t.gather(2, at_victim).float()
-            t.scatter_(2, at_target, mixed.to(t.dtype))
-        kv.state[THRESHOLD].copy_(threshold.unsqueeze(-1).expand_as(kv.state[THRESHOLD]))
-        kv.remove_slot(victim)
+        threshold (``kernels.d2o_step``: two launches with the Triton backend)."""
+        d2o_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ATTENTION],
+                 kv.state[THRESHOLD], n_keep, self.n_heavy, self.n_recent, self.n_sinks, self.beta,
+                 self.threshold_scope == "layer", self.merge_rule == "weighted")
 
     def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
         """(sinks, recent), (B, H) each, of a (B, H) budget: the recent share floored, sinks inside the rest."""
-        recent = torch.div(keep * self.n_recent, self.n_heavy + self.n_recent, rounding_mode="floor")
-        return (keep - recent).clamp(max=self.n_sinks), recent
+        return protection(keep, self.n_heavy, self.n_recent, self.n_sinks)
 
     def _threshold(self, kv: LayerKV, total: Tensor, count: Tensor) -> Tensor:
         """This step's EMA threshold (B, H) from each row's sum and number (float) of the similarities u_e of
         its evicted slots; rows without evictions keep the previous one (NaN: none yet)."""
         previous = kv.state[THRESHOLD][:, :, 0] if THRESHOLD in kv.state else torch.full(
             kv.lengths.shape, float("nan"), device=kv.keys.device)
-        if self.threshold_scope == "layer":
-            total = total.sum(-1, keepdim=True).expand_as(total)
-            count = count.sum(-1, keepdim=True).expand_as(count)
-        current = total / count.clamp(min=1)
-        smoothed = torch.where(previous.isnan(), current, self.beta * current + (1 - self.beta) * previous)
-        return torch.where(count > 0, smoothed, previous)
+        return ema_threshold(previous, total, count, self.beta, self.threshold_scope == "layer")
 
     def _merge_terms(self, similarity: Tensor) -> tuple[float, Tensor, Tensor]:
-        """The merge rule: (a kept slot's own weight, which is also its share of the normaliser; the raw weight
-        and the normaliser share of an evicted slot of cosine u merged into it). A merged kept slot's weights
-        are raw / (its own share + its merged slots' shares)."""
-        if self.merge_rule == "weighted":  # Z = e^1 + sum exp(u_e)
-            return math.e, similarity.exp(), similarity.exp()
-        return 1.0, similarity, torch.ones_like(similarity)  # (k_c + sum u_e k_e) / (1 + |E_c|)
+        """The merge rule's weights (``kernels.d2o_step.merge_terms``)."""
+        return merge_terms(similarity, self.merge_rule == "weighted")
 
 
 def allocate(weights: Tensor, total: int, low: int, high: int) -> Tensor:

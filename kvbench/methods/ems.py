@@ -10,8 +10,9 @@ Per layer and KV head, with N_budget = ``n_keep`` stored entries:
 A centre's merge is score-weighted (w_j = s_j / sum over its cluster); keys are merged as unit raw-key
 directions with the members' norms kept apart, values as they are.
 Decoding (every step): the token leaving the local window becomes a centre and the lowest-scoring centre
-becomes the TBM token, merged into its most redundant other centre or evicted. Here that is the same
-partition run on the row's N_budget + 1 slots, so prefill and decode share one code path.
+becomes the TBM token, merged into its most redundant other centre or evicted. ``compress`` runs the same
+partition on the row's N_budget + 1 slots (prefill and decode share one code path); the engine's decode step
+does it in place (``evict_one``, ``kernels.ems_step``: the same cache up to slot and table order).
 
 Shared entry expansion (``expansion``). What the paper specifies [P §4.2, App. A, §5.4]: N_budget stored
 entries per head plus, per token, its key norm ||k_j|| and a position look-up table (LUT) mapping each
@@ -39,8 +40,9 @@ does not say; so members keep their norms exactly).
   LUT element) or goes to the zero class with its members (their elements are freed); when the table is full,
   the element evicted is a free (zero-class) one if any, else the member with the oldest position (the LUT
   keeps its newest members). The same rule applies to any compression (prefill chunks, multi-token passes).
-  Expansion has static shapes (stored capacity + LUT size, masked, no host read), so decode steps stay
-  capturable; EMS's every-step ``compress`` runs eagerly anyway.
+  Expansion has static shapes (stored capacity + LUT size, masked, no host read), and a decode step evicts in
+  place with the LUT rewritten in place (``evict_one``, ``kernels.ems_step``), so decode steps replay as CUDA
+  graphs.
 - ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
   with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
@@ -82,6 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.errors import ConfigError
+from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
@@ -98,18 +101,6 @@ LUT_CENTRE = "lut_centre"  # original position of the stored slot (class centre)
 LUT_NORM = "lut_norm"  # the member's key norm ||k_j||
 
 
-def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
-    """EMS Eq. 2 on (B, H, T) tensors: max(s_Glo * mean(s_Loc) / mean(s_Glo), s_Loc); 0 on padding.
-
-    Means are over each row's real slots (the N cancels). A row without global mass scores by s_Loc alone.
-    """
-    s_glo, s_loc = s_glo.float() * valid, s_loc.float() * valid
-    total_glo = s_glo.sum(-1, keepdim=True)
-    ratio = torch.where(total_glo > 0, s_loc.sum(-1, keepdim=True) / total_glo.clamp(min=1e-30), 0.0)
-    return torch.maximum(s_glo * ratio, s_loc)
-
-
-
 @dataclass
 class EMS(Method):
     """window: L_win; kernel_size: mean pooling of the score; tau: merge threshold on R; gamma: merge
@@ -122,6 +113,7 @@ class EMS(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "window_column_sums", "raw_keys"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention", "raw_keys"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
+    evicts_in_place: ClassVar[bool] = True
 
     window: int = 32
     kernel_size: int = 7
@@ -199,16 +191,23 @@ class EMS(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into s_Glo and s_Loc^cur; roll the local window every
-        L_win queries (s_Loc^past <- s_Loc^cur, s_Loc^cur <- 0)."""
-        state, valid = kv.state, kv.valid()
-        step = stats.step_attention.float() * valid
-        state["s_glo"] = state["s_glo"] + step
-        cur = state["s_loc_cur"] + step
-        queries = state["s_loc_cur_queries"].amax(-1, keepdim=True) + 1  # (B, H, 1)
-        rolled = queries >= self.window
-        state["s_loc_past"] = torch.where(rolled, cur, state["s_loc_past"])
-        state["s_loc_cur"] = torch.where(rolled, torch.zeros_like(cur), cur)
-        state["s_loc_cur_queries"] = torch.where(rolled, 0, queries).float() * valid
+        L_win queries (s_Loc^past <- s_Loc^cur, s_Loc^cur <- 0). In place (``kernels.ems_step.ems_observe``):
+        a captured decode step keeps the state tensors."""
+        state = kv.state
+        ems_observe(state["s_glo"], state["s_loc_past"], state["s_loc_cur"], state["s_loc_cur_queries"],
+                    stats.step_attention, kv.lengths, self.window)
+
+    def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``compress`` of a row one slot over its budget, in place, the look-up table included
+        (``kernels.ems_step``): the lowest-scoring centre merges into its most redundant other centre, or
+        leaves for the zero class."""
+        state = kv.state
+        lut = (kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]) if self.expansion == "lut" \
+            else None
+        ems_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), stats.raw_keys,
+                 (state["s_glo"], state["s_loc_past"], state["s_loc_cur"]),
+                 (state["merged_mass"], state["merged_tokens"], state.get(LOGIT_BIAS)), lut, n_keep, self.window,
+                 self.tau, self.gamma, self.similarity, self.positions == "with")
 
     # -- the algorithm --------------------------------------------------------------------------------
 

@@ -32,14 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.observe import pass_observers
+from kvbench.kernels.select import heavy_split, keep_topk
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import (Method, check_count, check_unit_interval, pass_observers, per_sample_n_keep,
-                                  prompt_observers)
+from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep, prompt_observers
 
 SCORE = "score"  # accumulated attention
 OBSERVED = "observations"  # queries that could see the slot (normalize="mean_over_observers" only)
@@ -74,7 +73,7 @@ class H2O(Method):
         """Accumulate the newest query's attention into the per-slot score (and count its observers)."""
         kv.accumulate(SCORE, stats.step_attention)  # summed over the pass's queries
         if self.normalize == "mean_over_observers":
-            kv.accumulate(OBSERVED, pass_observers(kv, stats))
+            kv.accumulate(OBSERVED, pass_observers(kv.positions, kv.lengths, stats.num_queries))
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
@@ -94,9 +93,3 @@ class H2O(Method):
         sinks, recent = heavy_split(per_sample_n_keep(n_keep, kv), self.heavy_ratio, self.sinks)
         kv.evict_lowest(kv.state[SCORE], sinks.squeeze(-1), recent.squeeze(-1))
 
-
-def heavy_split(keep: Tensor, heavy_ratio: float, sinks: int) -> tuple[Tensor, Tensor]:
-    """Per-row (B, H, 1) protected sinks and recent window of a (B, H) budget split into
-    ``floor(heavy_ratio * keep)`` heavy hitters (sinks among them) and the rest recent (also CaM's H2O)."""
-    heavy = torch.floor(heavy_ratio * keep.double()).long()
-    return heavy.clamp(max=sinks).unsqueeze(-1), (keep - heavy).unsqueeze(-1)

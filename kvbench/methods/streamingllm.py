@@ -27,19 +27,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.kernels.select import keep_topk
+from kvbench.kernels.select import eviction_order, keep_topk, sinks_and_recent
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, per_sample_n_keep
-
-
-
-def sinks_and_recent(n_keep: Tensor, sinks: int) -> tuple[Tensor, Tensor]:
-    """(B, H) budget -> per-row (sinks, recent), each (B, H, 1), with sinks + recent = n_keep.
-
-    ``keep_topk`` broadcasts them against (B, H, T) slot indices, so every row gets its own window.
-    """
-    row_sinks = n_keep.clamp(max=sinks)
-    return row_sinks.unsqueeze(-1), (n_keep - row_sinks).unsqueeze(-1)
 
 
 @dataclass
@@ -68,12 +58,5 @@ class StreamingLLM(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """Drop the oldest token after the sinks (a ring buffer after them); a budget within the sinks drops
         the newest. Sinks stay in the slots prefill put them in (they are never dropped or moved)."""
-        kv.evict_lowest(*eviction_order(kv, per_sample_n_keep(n_keep, kv), self.sinks))
+        kv.evict_lowest(*eviction_order(kv.positions, per_sample_n_keep(n_keep, kv), self.sinks))
 
-
-def eviction_order(kv: LayerKV, keep: Tensor, sinks: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(scores, sinks, recent) for ``LayerKV.lowest_slot``: the one slot a row of ``keep`` (B, H) + 1 slots
-    drops is the oldest after the sinks, or the newest when the budget is all sinks (also CaM's eviction)."""
-    row_sinks, recent = sinks_and_recent(keep, sinks)
-    age = torch.where(recent > 0, kv.positions, -kv.positions)  # oldest first; newest first if no window
-    return age, row_sinks.squeeze(-1), torch.zeros_like(kv.lengths)

@@ -47,9 +47,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.dispatch import use_triton
+from kvbench.kernels.observe import observe_pass
 from kvbench.kernels.select import keep_topk
+from kvbench.kernels.weightedkv_step import (average_attention, merge_key, pair_fraction, protection,
+                                             weightedkv_step)
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.base import Method, check_count, pass_observers, per_sample_n_keep, prompt_observers
+from kvbench.methods.base import Method, check_count, per_sample_n_keep, prompt_observers
 
 ACCUMULATED = "accumulated_attention"  # a
 OBSERVED = "observations"  # n
@@ -77,9 +80,10 @@ class WeightedKV(Method):
             check_count(self.name, 0, recent=self.recent)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
-        """a += the pass's summed attention; n += the number of its queries that could see the slot."""
-        kv.accumulate(ACCUMULATED, stats.step_attention)
-        kv.accumulate(OBSERVED, pass_observers(kv, stats))
+        """a += the pass's summed attention; n += the number of its queries that could see the slot (in place,
+        ``kernels.observe``: one launch with the Triton backend)."""
+        observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step_attention, kv.positions, kv.lengths,
+                     stats.num_queries)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if phase == "prefill":
@@ -89,7 +93,7 @@ class WeightedKV(Method):
         excess = kv.lengths - keep  # merges each row needs
         if int(excess.max()) <= 0:
             return kv
-        average = kv.state[ACCUMULATED] / kv.state[OBSERVED].clamp(min=1)  # a_bar, (B, H, T)
+        average = average_attention(kv.state[ACCUMULATED], kv.state[OBSERVED])  # a_bar, (B, H, T)
         order = self._merge_order(kv, keep, average)
         merge = merge_in_order if phase == "prefill" else merge_into_right
         values, alive = merge(kv.values, average, order, excess)
@@ -98,29 +102,14 @@ class WeightedKV(Method):
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place: the region's lowest a_bar (ties: the oldest)
-        merges its value into the slot of the next position and leaves; a and n of the others stay."""
-        keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        sinks, recent = self._protected(keep)
-        average = kv.state[ACCUMULATED] / kv.state[OBSERVED].clamp(min=1)  # a_bar, (B, H, T)
-        j = kv.lowest_slot(self._merge_key(kv, average), sinks, recent)  # (B, H)
-        r = kv.next_slots(j, 1)[0].squeeze(-1)  # the region ends before the window: a next position exists
-        w_j, w_r = average.gather(2, j.unsqueeze(-1)), average.gather(2, r.unsqueeze(-1))  # (B, H, 1)
-        f = pair_fraction(w_j, w_r).unsqueeze(-1)
-        at_j, at_r = (i.view(*i.shape, 1, 1).expand(-1, -1, 1, kv.values.shape[-1]) for i in (j, r))
-        v_j, v_r = kv.values.gather(2, at_j).float(), kv.values.gather(2, at_r).float()
-        kv.values.scatter_(2, at_r, (f * v_j + (1 - f) * v_r).to(kv.values.dtype))
-        kv.remove_slot(j)
+        merges its value into the slot of the next position and leaves; a and n of the others stay
+        (``kernels.weightedkv_step``: one launch with the Triton backend)."""
+        weightedkv_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ACCUMULATED],
+                        kv.state[OBSERVED], n_keep, self.sinks, self.recent)
 
     def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
         """(sinks, recent), (B, H) each, of a (B, H) budget m: sinks + recent <= m - 1 (module docstring)."""
-        sinks = torch.minimum(keep.clamp(max=self.sinks), keep - 1)
-        wanted = keep // 2 - sinks if self.recent is None else torch.full_like(keep, self.recent)
-        return sinks, torch.minimum(wanted.clamp(min=1), (keep - sinks).clamp(min=1))
-
-    @staticmethod
-    def _merge_key(kv: LayerKV, average: Tensor) -> Tensor:
-        """(B, H, T) what the merge order ascends: a_bar, never-observed slots after every observed one."""
-        return torch.where(kv.state[OBSERVED] > 0, average, torch.finfo(torch.float32).max)
+        return protection(keep, self.sinks, self.recent)
 
     def _merge_order(self, kv: LayerKV, keep: Tensor, average: Tensor) -> Tensor:
         """(B, H, T) slots sorted by merge order: region slots by ascending a_bar (never-observed ones last),
@@ -128,15 +117,8 @@ class WeightedKV(Method):
         sinks, recent = self._protected(keep)
         slots = torch.arange(kv.capacity, device=kv.keys.device).view(1, 1, -1)
         region = (slots >= sinks.unsqueeze(-1)) & (slots < (kv.lengths - recent).unsqueeze(-1))
-        key = torch.where(region, self._merge_key(kv, average), float("inf"))
+        key = torch.where(region, merge_key(average, kv.state[OBSERVED]), float("inf"))
         return torch.sort(key, dim=-1, stable=True).indices
-
-
-def pair_fraction(w_j: Tensor, w_r: Tensor) -> Tensor:
-    """f, the share of v_j in the merge v_r <- f v_j + (1 - f) v_r: a_bar[j] / (a_bar[j] + a_bar[r]), 1/2 when
-    both are 0."""
-    total = w_j + w_r
-    return torch.where(total > 0, w_j / total.clamp(min=torch.finfo(torch.float32).tiny), 0.5)
 
 
 def merge_into_right(values: Tensor, average: Tensor, order: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:

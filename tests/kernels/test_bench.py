@@ -36,3 +36,11 @@ def test_tiny_run_writes_parquet_and_plots(tmp_path, capsys):
 def test_unknown_operation_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="accepted: decode_attention"):
         bench.main(["kernels", "--ops", "softmax", "--lengths", "64", "--out", str(tmp_path)])
+
+
+def test_decode_steps_run_in_the_benchmark(tmp_path):
+    """Each fused decode step runs with both backends; every call removes one slot of every row."""
+    bench.main(["kernels", "--lengths", "40", "--ops", "cam_step,d2o_step,weightedkv_step,ems_step",
+                "--repeats", "1", "--kv-heads", "2", "--head-dim", "16", "--out", str(tmp_path)])
+    rows = pd.read_parquet(tmp_path / "kernels.parquet")
+    assert len(rows) == 8 and (rows["seconds"] > 0).all()

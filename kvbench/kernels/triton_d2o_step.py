@@ -1,0 +1,140 @@
+"""Triton twin of ``d2o_step.d2o_step``: D2O's decode step in two launches.
+
+The best match reads every key of the row (O(C d), the step's only large read), so it is split over blocks of
+slots to run at memory bandwidth when the batch has few rows; the victim has to be known before any cosine,
+and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence two phases:
+1. grid (rows, blocks): each program finds its row's victim (a scan of positions and attention, repeated by
+   the row's blocks: 12 bytes a slot against the 2d bytes of a key) and the best cosine among its block's
+   slots (ties: the oldest position);
+2. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
+   values, the threshold on every slot, and the move of the row's last slot into the victim's.
+Floating-point contraction is off; cosines and exp round differently from torch's matmul and exp (float32
+units in the last place), which moves a merge decision only when a cosine sits within that of the threshold
+or of another slot's cosine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
+                                          lowest_unprotected, move_last, newest_position, row_blocks, scan_tile)
+
+BLOCK_C = 8192  # slots per tile of a row scan
+BLOCK_S = 64  # keys per tile of the cosine scan
+WARPS = 8
+EPS = tl.constexpr(1e-12)  # F.normalize's
+
+
+@triton.jit
+def _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr):
+    """The row's lowest attention outside its sinks and recent window (d2o_step.protection)."""
+    length = tl.load(len_ptr + row)
+    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
+    recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
+    sinks = tl.minimum(keep - recent, N_SINKS)
+    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
+    return lowest_unprotected(att_ptr, pos_ptr, row, length, sinks, recent, newest, 1, C, True, BLOCK_C)
+
+
+@triton.jit
+def _match_kernel(k_ptr, pos_ptr, len_ptr, att_ptr, keep_ptr, victim_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, H, C,
+                  D, SPAN, NB, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    victim = _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C)
+    length = tl.load(len_ptr + row)
+    d = tl.arange(0, BLOCK_D)
+    source = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    source = tl.math.div_rn(source, tl.maximum(tl.sqrt_rn(tl.sum(source * source, 0)), EPS))
+    best = tl.full((), float("-inf"), tl.float32)
+    oldest = tl.full((), NO_POSITION, tl.int64)
+    match = tl.full((), -1, tl.int64)
+    for s0 in range(block * SPAN, block * SPAN + SPAN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        other = (s < length) & (s != victim)
+        key = tl.load(k_ptr + (row * C + s[:, None]) * D + d[None, :], mask=other[:, None] & (d[None, :] < D),
+                      other=0.0).to(tl.float32)
+        norm = tl.maximum(tl.sqrt_rn(tl.sum(key * key, 1)), EPS)
+        cosine = tl.where(other, tl.sum(source[None, :] * tl.math.div_rn(key, norm[:, None]), 1), float("-inf"))
+        pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
+        best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
+    tl.store(sim_ptr + row * NB + block, best)
+    tl.store(at_pos_ptr + row * NB + block, oldest)
+    tl.store(at_slot_ptr + row * NB + block, match)
+    tl.store(victim_ptr + row, victim, mask=block == 0)
+
+
+@triton.jit
+def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, victim_ptr, sim_ptr, at_pos_ptr,
+                  at_slot_ptr, H, C, D, DV, S, state_stride, NB, BETA, ONE_MINUS_BETA, OWN,
+                  LAYER_SCOPE: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    victim = tl.load(victim_ptr + row)
+    similarity, match = best_of_blocks(sim_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB)
+    if LAYER_SCOPE:  # d2o_step.ema_threshold: the mean best cosine over the batch row's heads
+        total = tl.full((), 0.0, tl.float32)
+        for head in range(H):
+            head_best, _ = best_of_blocks(sim_ptr, at_pos_ptr, at_slot_ptr, row - row % H + head, NB, BLOCK_NB)
+            total += head_best
+        current = tl.math.div_rn(total, H + tl.zeros((), tl.float32))
+    else:
+        current = similarity
+    previous = tl.load(thr_ptr + row * C)
+    tau = tl.where(previous != previous, current, BETA * current + ONE_MINUS_BETA * previous)
+    merged = (match >= 0) & (similarity >= tau)
+    if WEIGHTED:  # d2o_step.merge_terms
+        raw = tl.exp(similarity)
+        mass = raw
+    else:
+        raw = similarity
+        mass = 1.0
+    norm = tl.maximum(OWN + tl.where(merged, mass, 0.0), 1e-12)
+    own = tl.math.div_rn(OWN + tl.zeros((), tl.float32), norm)
+    incoming = tl.math.div_rn(tl.where(merged, raw, 0.0), norm)
+    target = tl.maximum(match, 0)
+    d = tl.arange(0, BLOCK_D)
+    k_t = tl.load(k_ptr + (row * C + target) * D + d, mask=d < D).to(tl.float32)
+    k_v = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D).to(tl.float32)
+    tl.store(k_ptr + (row * C + target) * D + d, (own * k_t + incoming * k_v).to(k_ptr.dtype.element_ty),
+             mask=d < tl.where(merged, D, 0))
+    dv = tl.arange(0, BLOCK_DV)
+    v_t = tl.load(v_ptr + (row * C + target) * DV + dv, mask=dv < DV).to(tl.float32)
+    v_v = tl.load(v_ptr + (row * C + victim) * DV + dv, mask=dv < DV).to(tl.float32)
+    tl.store(v_ptr + (row * C + target) * DV + dv, (own * v_t + incoming * v_v).to(v_ptr.dtype.element_ty),
+             mask=dv < tl.where(merged, DV, 0))
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        tl.store(thr_ptr + row * C + c, tau + tl.zeros((BLOCK_C,), tl.float32), mask=c < C)
+    tl.debug_barrier()  # the merge and the threshold are written before the move reads the last slot
+    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride, BLOCK_D,
+              BLOCK_DV, BLOCK_S)
+
+
+def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
+             threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
+             layer_scope: bool, weighted: bool) -> None:
+    B, H, C, D = keys.shape
+    check_storage(lengths, keys, values, positions, state, attention, threshold)
+    S, DV, rows = state.shape[0], values.shape[-1], B * H
+    NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
+    n_keep = n_keep.to(lengths).contiguous()
+    victim = torch.empty(rows, dtype=torch.long, device=keys.device)
+    similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
+    at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
+    block_c = scan_tile(C, BLOCK_C)
+    _match_kernel[(rows, NB)](keys, positions, lengths, attention, n_keep, victim, similarity, at_position, at_slot,
+                              H, C, D, span, NB, n_heavy, n_recent, n_sinks, BLOCK_C=block_c, BLOCK_S=BLOCK_S,
+                              BLOCK_D=block_size(D), num_warps=WARPS)
+    _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, victim, similarity, at_position,
+                           at_slot, H, C, D, DV, S, B * H * C, NB, beta, 1 - beta, math.e if weighted else 1.0,
+                           LAYER_SCOPE=layer_scope, WEIGHTED=weighted, BLOCK_C=block_c, BLOCK_NB=block_size(NB),
+                           BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
+                           enable_fp_fusion=False)

@@ -1,0 +1,76 @@
+"""Compile the fused decode-step kernels to PTX and cubin for an H100 (sm_90) without a GPU.
+
+Triton's interpreter (what the CPU tests run) accepts code the compiler refuses (plain Python globals, some
+scalar forms), so every launch of the wrappers below is turned into a compilation with the launch's real
+argument types and constexprs. Run without TRITON_INTERPRET (``test_decode_steps`` runs it in a child
+process):
+    PYTHONPATH=. python tests/kernels/ptx_check.py
+Prints the number of variants compiled; a compile error exits non-zero with Triton's message.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+compiled: list[str] = []
+
+
+def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    """JITFunction.run's stand-in: the signature of this launch, compiled for TARGET."""
+    bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
+    signature, constexprs = {}, {}
+    for i, param in enumerate(self.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = POINTERS[value.dtype]
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "enable_fp_fusion")}
+    triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    compiled.append(self.fn.__name__)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter does not compile"
+    JITFunction.run = compile_instead_of_launch
+    from kvbench.kernels import triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe
+    from kvbench.kernels import triton_weightedkv_step
+
+    B, H, C, D = 2, 8, 300, 128
+    keys, values = torch.randn(B, H, C, D).bfloat16(), torch.randn(B, H, C, D).bfloat16()
+    positions, lengths = torch.arange(C).expand(B, H, C).contiguous(), torch.full((B, H), C)
+    state, n_keep = torch.rand(6, B, H, C), torch.full((B,), C - 1)
+    layer = (keys, values, positions, lengths, state)
+    triton_weightedkv_step.weightedkv_step(*layer, state[0], state[1], n_keep, 4, None)
+    triton_weightedkv_step.weightedkv_step(*layer, state[0], state[1], n_keep, 1, 1)
+    triton_cam_step.cam_step(*layer, state[0], n_keep, 4, None, 16, 2**31 + 5)
+    triton_cam_step.cam_step(*layer, state[0], n_keep, 1, 0.5, 1, None)
+    triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
+    triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
+    table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))
+    for lut, gamma, similarity, with_positions, bias in ((table, 4.0, "key_value", False, None),
+                                                          (None, float("inf"), "key", True, state[5]),
+                                                          (None, 1.0, "value", False, state[5])):
+        triton_ems_step.ems_step(*layer, keys, tuple(state[:3]), (state[3], state[4], bias), lut, n_keep, 32, 0.6,
+                                 gamma, similarity, with_positions)
+    triton_ems_step.ems_observe(*state[:5], lengths, 32)
+    triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, None)
+    triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, torch.ones(B, dtype=torch.long))
+    print(f"{len(compiled)} kernel variants compiled for sm_90: {sorted(set(compiled))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""The merging methods' fused decode steps: each Triton kernel against its torch reference, on odd shapes.
+
+Rows are ragged (lengths 1..C), their slots hold a shuffled order of positions (as after in-place removals),
+budgets differ per batch row, and scores are small integers, so that ties are common. Every kernel must leave
+the same cache as its reference: lengths and positions exactly, states exactly (D2O's threshold to float32
+rounding: it is a cosine), keys and values up to one rounding of the storage dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvbench.kernels
+
+from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step,
+                             triton_ems_step, triton_observe, triton_weightedkv_step, weightedkv_step)
+from kvbench.kernels.dispatch import use_backend
+from kvbench.kv import AttentionStats, LayerKV
+from tests.conftest import pythonpath_with_repo
+from tests.kernels.conftest import MODE
+from tests.test_decode_paths import CASES, build, compare_under_random_attention
+
+# (B, H, C, D): one slot, block-size multiples +- 1, head dims 64 and 128, rows split into several blocks
+SHAPES = [(1, 1, 1, 64), (2, 3, 7, 64), (2, 2, 65, 128), (1, 4, 300, 64), (3, 1, 129, 128)]
+# every shape in float32, the multi-block ones in bfloat16 too (the interpreter makes each case cost seconds); on a
+# GPU (KVBENCH_KERNEL_TESTS=cuda) each case compiles its own variants, so two layouts cover the compiled kernels
+LAYOUTS = pytest.mark.parametrize("shape,dtype", [(SHAPES[2], torch.float32), (SHAPES[3], torch.bfloat16)]
+                                  if MODE == "cuda" else [(shape, torch.float32) for shape in SHAPES]
+                                  + [(shape, torch.bfloat16) for shape in SHAPES[2:4]], ids=str)
+
+
+def storage(B, H, C, D, S, dtype, seed):
+    """Ragged rows in shuffled slot order; sinks hold the first positions in the first slots (as prefill leaves
+    them); states (S, B, H, C) of small non-negative integers and halves."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, C + 1, (B, H), generator=g)
+    lengths[0, 0] = C
+    positions = 2 + torch.stack([torch.randperm(C, generator=g) for _ in range(B * H)]).view(B, H, C) * 2
+    positions[..., :min(C, 2)] = torch.arange(min(C, 2))
+    return dict(keys=torch.randn(B, H, C, D, generator=g).to(dtype),
+                values=torch.randn(B, H, C, D, generator=g).to(dtype),
+                positions=positions, lengths=lengths,
+                state=torch.randint(0, 7, (S, B, H, C), generator=g).float() / 2,
+                n_keep=torch.randint(1, C + 1, (B,), generator=g))
+
+
+def assert_same_cache(got, want, output_tolerance, state_tolerance=0.0):
+    for name in ("lengths", "positions"):
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(got["state"], want["state"], rtol=state_tolerance, atol=state_tolerance,
+                               equal_nan=True, msg="state")
+    for name in ("keys", "values"):
+        torch.testing.assert_close(got[name].float(), want[name].float(), **output_tolerance, msg=name)
+
+
+def run_both(reference, kernel, make, call):
+    """``call(step, cache)`` with the reference and with the kernel, each on its own ``make()``; returns
+    (kernel's cache, reference's cache)."""
+    want, got = make(), make()
+    with use_backend("torch"):
+        call(reference, want)
+    call(kernel, got)
+    return got, want
+
+
+@LAYOUTS
+@pytest.mark.parametrize("recent,seed", [(None, 0), (0, 1), (3, 2)])
+def test_weightedkv_step_matches_reference(shape, recent, seed, dtype, output_tolerance):
+    def make():
+        s = storage(*shape, 3, dtype, seed)
+        s["state"][1] = s["state"][1].round()  # n: observations, some 0 (never observed)
+        return s
+
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
+             s["n_keep"], 2, recent)
+
+    got, want = run_both(weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step, make, call)
+    assert_same_cache(got, want, output_tolerance)
+
+
+@LAYOUTS
+@pytest.mark.parametrize("eviction,merge_tokens,key", [(None, 16, 0), (0.5, 4, 2**32 - 5), (0.3, 5, None),
+                                                      (None, 3, None)],
+                         ids=["streamingllm", "h2o_n4", "h2o_0.3_deterministic", "streamingllm_deterministic"])
+def test_cam_step_matches_reference(shape, eviction, merge_tokens, key, dtype, output_tolerance):
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["n_keep"], 2,
+             eviction, merge_tokens, key)
+
+    got, want = run_both(cam_step.cam_step, triton_cam_step.cam_step, lambda: storage(*shape, 2, dtype, 3), call)
+    assert_same_cache(got, want, output_tolerance)
+
+
+def test_cam_draws_are_the_reference_draws():
+    """The kernel's hash reproduces ``uniform_draws`` bit for bit: with merge probabilities strictly between 0
+    and 1 the draw decides, over many rows, heads and layer keys (the largest ones do not fit an int32)."""
+    B, H, C, D = 8, 4, 24, 8
+    for key in (1, 2**31 + 7, 2**32 - 1):
+        def make():
+            s = storage(B, H, C, D, 2, torch.float32, 5)
+            s["lengths"][:] = C
+            s["n_keep"][:] = C - 1
+            s["state"][1] = torch.where(s["positions"] % 4 == 0, 1.0, 0.5)  # p_e = 0.5 / 0.67 for most e
+            return s
+
+        def call(step, s):
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["n_keep"], 1,
+                 0.75, 3, key)
+
+        got, want = run_both(cam_step.cam_step, triton_cam_step.cam_step, make, call)
+        torch.testing.assert_close(got["values"], want["values"], rtol=0, atol=0)
+
+
+@LAYOUTS
+@pytest.mark.parametrize("layer_scope,weighted,seed", [(False, True, 0), (True, False, 1), (True, True, 2)],
+                         ids=["head_weighted", "layer_code_mean", "layer_weighted"])
+def test_d2o_step_matches_reference(shape, layer_scope, weighted, seed, dtype, output_tolerance):
+    def make():
+        s = storage(*shape, 3, dtype, seed)
+        B, H, C, D = shape
+        s["state"][2] = torch.where(torch.arange(B).view(B, 1, 1) == 0, float("nan"), 0.3).expand(B, H, C)
+        # keys along one axis: their cosines with any key are equal in any summation order (exact ties, which
+        # go to the oldest position; duplicates of a general key would tie only up to the BLAS's rounding)
+        s["keys"][..., 1::3, :] = 0
+        s["keys"][..., 1::3, 0] = 2.0
+        s["state"][1, ..., 1::3] = 0  # the lowest attention: the victim is one of them, and its best matches tie
+        return s
+
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
+             s["n_keep"], 3, 1, 2, 0.7, layer_scope, weighted)
+
+    got, want = run_both(d2o_step.d2o_step, triton_d2o_step.d2o_step, make, call)
+    assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)  # the threshold follows the cosines
+
+
+# (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
+# gamma just above 1 (a TBM share only for budgets >= 5), and each key rule (lut, bias with/without positions)
+EMS_RULES = [(0.0, 4.0, "key_value", True, False, False), (0.5, 1.0, "key_value", True, False, False),
+             (0.2, float("inf"), "key", True, True, False), (0.0, 1.1, "value", True, False, False),
+             (0.0, 4.0, "key_value", False, True, True), (0.0, 2.0, "key", False, False, True),
+             (0.0, 3.0, "value", False, False, False)]
+
+
+def ems_storage(shape, dtype, seed, lut, bias, entries):
+    """``storage`` with EMS's states (s_glo, s_loc_past, s_loc_cur, merged_mass, merged_tokens, logit_bias),
+    raw keys, and look-up tables: members at odd positions (older and newer than the row's slots), centred on
+    the row's stored positions, some rows' tables full."""
+    s = storage(*shape, 6, dtype, seed)
+    B, H, C, D = shape
+    g = torch.Generator().manual_seed(seed + 100)
+    s["state"][:3] = torch.rand(3, B, H, C, generator=g)
+    s["state"][4] = s["state"][4].round()
+    s["raw_keys"] = torch.randn(B, H, C, D, generator=g).to(dtype)
+    if lut:
+        member = torch.stack([torch.randperm(3 * C + entries, generator=g)[:entries] for _ in range(B * H)])
+        position = (member.view(B, H, entries) * 2 + 3)
+        stored = torch.randint(0, C, (B, H, entries), generator=g) % s["lengths"].unsqueeze(-1)
+        centre = s["positions"].gather(2, stored)
+        unused = torch.rand(B, H, entries, generator=g) < torch.rand(B, H, 1, generator=g).round() * 0.5
+        s["lut"] = (torch.where(unused, -1, position), torch.where(unused, -1, centre),
+                    torch.where(unused, -1.0, torch.rand(B, H, entries, generator=g) + 0.5))
+    return s
+
+
+@LAYOUTS
+@pytest.mark.parametrize("rule", EMS_RULES, ids=str)
+def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
+    tau, gamma, similarity, lut, with_positions, bias = rule
+
+    def call(step, s):
+        merges = (s["state"][3], s["state"][4], s["state"][5] if bias else None)
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"], tuple(s["state"][:3]),
+             merges, s.get("lut"), s["n_keep"], 3, tau, gamma, similarity, with_positions)
+
+    got, want = run_both(ems_step.ems_step, triton_ems_step.ems_step,
+                         lambda: ems_storage(shape, dtype, 7, lut, bias, entries=11), call)
+    assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)  # scores and logs round differently
+    if lut:
+        for name, got_table, want_table in zip(("position", "centre", "norm"), got["lut"], want["lut"]):
+            torch.testing.assert_close(got_table, want_table, msg=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("queries", [None, "per_row"])
+def test_observe_pass_matches_reference(shape, queries):
+    def make():
+        s = storage(*shape, 2, torch.float32, 11)
+        s["attention"] = torch.rand(shape[:3], generator=torch.Generator().manual_seed(3))
+        s["queries"] = None if queries is None else torch.arange(1, shape[0] + 1) * 2
+        return s
+
+    def call(step, s):
+        step(s["state"][0], s["state"][1], s["attention"], s["positions"], s["lengths"], s["queries"])
+
+    got, want = run_both(observe.observe_pass, triton_observe.observe_pass, make, call)
+    torch.testing.assert_close(got["state"], want["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("window", [1, 3, 32])
+def test_ems_observe_matches_reference(shape, window):
+    def make():
+        s = storage(*shape, 4, torch.float32, 12)
+        g = torch.Generator().manual_seed(4)
+        s["state"][:3] = torch.rand(3, *shape[:3], generator=g)
+        s["state"][3] = torch.randint(0, 4, (*shape[:2], 1), generator=g).float().expand(shape[:3])
+        s["attention"] = torch.rand(shape[:3], generator=g)
+        return s
+
+    def call(step, s):
+        step(*s["state"], s["attention"], s["lengths"], window)
+
+    got, want = run_both(ems_step.ems_observe, triton_ems_step.ems_observe, make, call)
+    torch.testing.assert_close(got["state"], want["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["weightedkv", "cam", "d2o", "ems"])
+def test_rows_longer_than_a_tile(op):
+    """Rows of more slots than one tile of a row scan (8192) and a look-up table of more entries than one of
+    its tiles (4096): every loop of the kernels takes several tiles."""
+    shape = (1, 2, 9000, 16)
+    if op == "ems":
+        def call(step, s):
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"],
+                 tuple(s["state"][:3]), (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 3, 0.0, 4.0,
+                 "key_value", False)
+
+        make, kernels = (lambda: ems_storage(shape, torch.float32, 5, True, False, entries=5000),
+                         (ems_step.ems_step, triton_ems_step.ems_step))
+    else:
+        def call(step, s):
+            rows = {"weightedkv": (s["state"][0], s["state"][1], s["n_keep"], 2, None),
+                    "cam": (s["state"][1], s["n_keep"], 2, 0.5, 16, 7),
+                    "d2o": (s["state"][1], s["state"][2], s["n_keep"], 3, 1, 2, 0.7, False, True)}[op]
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], *rows)
+
+        def make():
+            s = storage(*shape, 3, torch.float32, 6)
+            return s
+
+        module = {"weightedkv": weightedkv_step, "cam": cam_step, "d2o": d2o_step}[op]
+        triton_module = {"weightedkv": triton_weightedkv_step, "cam": triton_cam_step, "d2o": triton_d2o_step}[op]
+        kernels = (getattr(module, f"{op}_step"), getattr(triton_module, f"{op}_step"))
+    got, want = run_both(*kernels, make, call)
+    assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
+
+
+class Launches(TorchDispatchMode):
+    """Counts what one call issues to the device: Triton kernel launches (every kernel of the kvbench.kernels
+    modules is wrapped), and the torch operators called outside them (the interpreter's own copies of a
+    launch's arguments are not the caller's)."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.kernels: list[str] = []
+        self.torch_ops: list[str] = []
+        self._inside = False
+        for info in pkgutil.iter_modules(kvbench.kernels.__path__, "kvbench.kernels."):
+            if info.name.rsplit(".", 1)[-1].startswith("triton_"):
+                for name, fn in vars(importlib.import_module(info.name)).items():
+                    if hasattr(fn, "run") and hasattr(fn, "fn"):
+                        monkeypatch.setattr(fn, "run", self._counted(name, fn.run))
+
+    def _counted(self, name, run):
+        def launch(*args, **kwargs):
+            self.kernels.append(name)
+            self._inside = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._inside = False
+        return launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside:
+            self.torch_ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,launches", [("cam", 2), ("cam_h2o", 2), ("weightedkv", 2), ("d2o", 3),
+                                           ("d2o_layer_threshold", 3), ("ems", 3), ("ems_bias", 3)])
+def test_fused_decode_step_issues_two_or_three_operations(monkeypatch, name, launches):
+    """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
+    decode storage: the device runs its kernels (CaM's and D2O's observe: one torch addition) and nothing else
+    but scratch allocations (the torch path issues ~50-300 operations)."""
+    method = build(name)
+    g = torch.Generator().manual_seed(0)
+    B, H, D, prompt = 2, 2, 8, 30
+    n_keep = torch.tensor([12, 9])
+    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g), torch.randn(B, H, prompt, D, generator=g))
+    scores = torch.rand(B, H, prompt, generator=g)
+    with use_backend("torch"):
+        kv = method.compress(0, kv, AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys,
+                                                   num_queries=torch.full((B,), prompt)), n_keep, "prefill")
+    kv.resize(kv.capacity + 1)
+    kv.pack_state()
+    kv.write(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g), torch.full((B, 1), prompt))
+    stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
+                           raw_keys=kv.keys)
+    counter = Launches(monkeypatch)
+    with use_backend("triton"), counter:
+        method.observe(0, kv, stats)
+        method.evict_one(0, kv, stats, n_keep)
+    device_work = counter.kernels + [op for op in counter.torch_ops if op != "aten::empty"]
+    assert len(device_work) == launches, device_work
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(case, marks=() if case in ("cam", "d2o", "weightedkv", "ems_merge_all") else pytest.mark.slow)
+    for case in CASES if case.split("_")[0] in ("cam", "d2o", "weightedkv", "ems")])
+def test_triton_in_place_keeps_what_compress_keeps(name):
+    """tests/test_decode_paths.py's in-place == compress comparison with the fused Triton steps in place."""
+    compare_under_random_attention(name, "triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in KVBENCH_KERNEL_TESTS=cuda")
+def test_kernels_compile_for_the_gpu():
+    """The interpreter runs code the Triton compiler refuses: compile every fused step's variants to sm_90
+    PTX and cubin (no GPU needed; tests/kernels/ptx_check.py) in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath_with_repo()}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("ptx_check.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel variants compiled" in done.stdout
