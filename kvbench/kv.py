@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.kernels.append import append_slots
+from kvbench.kernels.lut_expand import fold_entries
 from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
 
 
@@ -343,11 +344,7 @@ class Expansion:
     def fold(self, stats: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
         """(B, H, C) statistics of the entries -> (B, H, capacity) of the stored slots; per-query-head ones
         (H_q rows) follow their KV head's slots."""
-        folded = {}
-        for name, s in stats.items():
-            slot = self.slot.repeat_interleave(s.shape[1] // self.slot.shape[1], dim=1)
-            folded[name] = s.new_zeros(*s.shape[:2], capacity).scatter_add_(2, slot, s)
-        return folded
+        return {name: fold_entries(s, self.slot, self.kv.lengths, capacity) for name, s in stats.items()}
 
 
 # A per-slot state a method may keep: added to the attention logit of the slot for every query (e.g. log of a

@@ -77,6 +77,7 @@ CATEGORIES = (
                    "attention")),
     ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "matmul")),
     ("cache write / eviction", ("_append", "_evict", "_move", "_select", "_merge")),
+    ("EMS look-up-table expansion", ("_lut_expand", "_lut_fold")),
     ("elementwise, fused (compile)", ("triton_poi", "triton_red", "triton_per")),
     ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "copy", "fill", "scatter", "gather", "index",
                             "cat", "softmax", "arange", "where")),

@@ -20,7 +20,7 @@ One row of ``keep + 1`` slots (any slot order; positions say which token a slot 
 Entries of the other slots keep their state exactly (compress re-derives their merged_mass as
 (score + merged_mass) - score, equal up to float32 rounding).
 
-Torch reference; ``triton_ems_step`` holds the two-launch kernel of the same signature (``dispatch``).
+Torch reference; ``triton_ems_step`` holds the three-launch kernel of the same signature (``dispatch``).
 Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
 (B, H) long; state (S, B, H, C) float32, every per-slot state stacked; ``scores`` (s_glo, s_loc_past,
 s_loc_cur) and ``merges`` (merged_mass, merged_tokens, logit_bias or None) rows of it; ``lut`` the tables

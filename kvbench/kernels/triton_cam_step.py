@@ -1,8 +1,8 @@
 """Triton twin of ``cam_step.cam_step``: CaM's whole decode step in one launch.
 
 One program per row (b, h): the protected counts from the budget, the newest position, the evicted slot (one
-scan), its n next positions (n scans for the next older position, each a reduction over the row, held in a
-(n,) vector), the merge probability and the counter-based draw (``cam_step.uniform_draws`` bit for bit:
+scan), its n next positions (n reductions for the next older position, held in a (n,) vector; a row of one
+tile is loaded once for all n, longer rows are rescanned for each), the merge probability and the counter-based draw (``cam_step.uniform_draws`` bit for bit:
 integer hashing on int64), the (n, DV) tile of target values, and the move of the row's last slot into the
 evicted one. Floating-point contraction is off, so the merge rounds as the torch reference does; only the sum
 of the n targets' attention may round differently (a tree instead of torch's order).
@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, lowest_unprotected, move_last,
-                                          newest_position, next_position, scan_tile)
+                                          newest_position, next_in_tile, next_position, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 WARPS = 16
@@ -47,7 +47,8 @@ def uniform_draw(key, head, position, step):
 
 @triton.jit
 def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H, C, D, DV, S, state_stride,
-                 SINKS, RATIO_BITS, KEY, N, HEAVY: tl.constexpr, DRAW: tl.constexpr, BLOCK_C: tl.constexpr,
+                 SINKS, RATIO_BITS, KEY, N, HEAVY: tl.constexpr, DRAW: tl.constexpr, ONE_TILE: tl.constexpr,
+                 BLOCK_C: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr + row)
@@ -70,8 +71,14 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
     targets = tl.zeros((BLOCK_N,), tl.int64)
     found = n < 0
     after = evicted
+    c = tl.arange(0, BLOCK_C)
+    if ONE_TILE:  # the row's positions stay in registers for the n reductions
+        pos = tl.load(pos_ptr + row * C + c, mask=c < length, other=-1)
     for i in range(N):
-        after, slot = next_position(pos_ptr, row, length, after, C, BLOCK_C)
+        if ONE_TILE:
+            after, slot = next_in_tile(pos, c, c < length, after)
+        else:
+            after, slot = next_position(pos_ptr, row, length, after, C, BLOCK_C)
         targets = tl.where(n == i, slot, targets)
         found = found | (n == tl.where(after < NO_POSITION, i, -1))
     total = tl.sum(tl.load(att_ptr + row * C + targets, mask=found, other=0.0), 0)
@@ -99,10 +106,11 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, attention)
     S, DV = state.shape[0], values.shape[-1]
+    block_c = scan_tile(C, BLOCK_C)
     ratio_bits = 0 if heavy_ratio is None else struct.unpack("<q", struct.pack("<d", heavy_ratio))[0]
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, attention, n_keep.to(lengths).contiguous(),
                            H, C, D, DV, S, B * H * C, sinks, ratio_bits, 0 if key is None else key, merge_tokens,
-                           HEAVY=heavy_ratio is not None, DRAW=key is not None,
-                           BLOCK_C=scan_tile(C, BLOCK_C), BLOCK_N=block_size(merge_tokens),
+                           HEAVY=heavy_ratio is not None, DRAW=key is not None, ONE_TILE=C <= block_c,
+                           BLOCK_C=block_c, BLOCK_N=block_size(merge_tokens),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)

@@ -1,13 +1,16 @@
-"""Triton twin of ``d2o_step.d2o_step``: D2O's decode step in two launches.
+"""Triton twin of ``d2o_step.d2o_step``: D2O's decode step in three launches.
 
 The best match reads every key of the row (O(C d), the step's only large read), so it is split over blocks of
 slots to run at memory bandwidth when the batch has few rows; the victim has to be known before any cosine,
-and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence two phases:
-1. grid (rows, blocks): each program finds its row's victim (a scan of positions and attention, repeated by
-   the row's blocks: 12 bytes a slot against the 2d bytes of a key) and the best cosine among its block's
-   slots (ties: the oldest position);
-2. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
+and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence three phases:
+1. grid (rows,): the row's victim (two scans of positions and attention, 12 bytes a slot), once per row;
+2. grid (rows, blocks): the best cosine of the victim's key among each block's slots (ties: the oldest
+   position);
+3. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
    values, the threshold on every slot, and the move of the row's last slot into the victim's.
+Three launches rather than two: with the victim found inside phase 2, each of its programs (hundreds per row
+at batch 1, as many as the device holds) rescanned the whole row to do ~C / blocks cosines, ~45 us a layer on
+an H100 at 6.5k slots against a launch's few microseconds.
 Floating-point contraction is off; cosines and exp round differently from torch's matmul and exp (float32
 units in the last place), which moves a merge decision only when a cosine sits within that of the threshold
 or of another slot's cosine.
@@ -28,6 +31,7 @@ from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_siz
 BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
+SCAN_WARPS = 16  # the victim's scans: one program per row, a whole tile of the row per load
 EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
@@ -43,12 +47,19 @@ def _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N
 
 
 @triton.jit
-def _match_kernel(k_ptr, pos_ptr, len_ptr, att_ptr, keep_ptr, victim_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, H, C,
-                  D, SPAN, NB, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, victim_ptr, H, C, N_HEAVY, N_RECENT, N_SINKS,
+                   BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(victim_ptr + row, _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS,
+                                       BLOCK_C))
+
+
+@triton.jit
+def _match_kernel(k_ptr, pos_ptr, len_ptr, victim_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, C, D, SPAN, NB,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    victim = _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C)
+    victim = tl.load(victim_ptr + row)
     length = tl.load(len_ptr + row)
     d = tl.arange(0, BLOCK_D)
     source = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D, other=0.0).to(tl.float32)
@@ -68,7 +79,6 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, att_ptr, keep_ptr, victim_ptr, sim_pt
     tl.store(sim_ptr + row * NB + block, best)
     tl.store(at_pos_ptr + row * NB + block, oldest)
     tl.store(at_slot_ptr + row * NB + block, match)
-    tl.store(victim_ptr + row, victim, mask=block == 0)
 
 
 @triton.jit
@@ -130,9 +140,10 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
     block_c = scan_tile(C, BLOCK_C)
-    _match_kernel[(rows, NB)](keys, positions, lengths, attention, n_keep, victim, similarity, at_position, at_slot,
-                              H, C, D, span, NB, n_heavy, n_recent, n_sinks, BLOCK_C=block_c, BLOCK_S=BLOCK_S,
-                              BLOCK_D=block_size(D), num_warps=WARPS)
+    _victim_kernel[(rows,)](attention, positions, lengths, n_keep, victim, H, C, n_heavy, n_recent, n_sinks,
+                            BLOCK_C=block_c, num_warps=SCAN_WARPS)
+    _match_kernel[(rows, NB)](keys, positions, lengths, victim, similarity, at_position, at_slot, C, D, span, NB,
+                              BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), num_warps=WARPS)
     _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, victim, similarity, at_position,
                            at_slot, H, C, D, DV, S, B * H * C, NB, beta, 1 - beta, math.e if weighted else 1.0,
                            LAYER_SCOPE=layer_scope, WEIGHTED=weighted, BLOCK_C=block_c, BLOCK_NB=block_size(NB),

@@ -1,15 +1,19 @@
-"""Triton twins of ``ems_step.ems_step`` (EMS's decode step in two launches, look-up table included) and of
+"""Triton twins of ``ems_step.ems_step`` (EMS's decode step in three launches, look-up table included) and of
 ``ems_step.ems_observe`` (one launch: the longest query count of the row, then every slot's scores).
 
 Like D2O's step (``triton_d2o_step``), the redundancy of the TBM token with every centre reads every raw key
 and value of the row, so it is split over blocks of slots:
-1. grid (rows, blocks): each program computes its row's Global-Local score ratio and TBM token (scans of the
-   positions and the three score states, repeated by the row's blocks) and the best redundancy among its
-   block's centres (ties: the oldest position);
-2. grid (rows,): the best of the row's blocks, the merge decision, the weighted merge of two keys (unit raw
+1. grid (rows,): the row's Global-Local score ratio and TBM token (scans of the positions and the three score
+   states, 20 bytes a slot), once per row;
+2. grid (rows, blocks): the best redundancy of the TBM token among each block's centres (ties: the oldest
+   position);
+3. grid (rows,): the best of the row's blocks, the merge decision, the weighted merge of two keys (unit raw
    directions rotated to the centre's position, ``rotate_like``'s rule) and two values, the merge state, one
    pass over the look-up table (members follow or leave, the new member takes a free or the oldest entry),
    and the move of the row's last slot into the TBM token's.
+Three launches rather than two: with the TBM token found inside phase 2, each of its programs (hundreds per
+row at batch 1) rescanned the row's four per-slot arrays to do ~C / blocks redundancies, ~100 us a layer on an
+H100 at 6.5k slots against a launch's few microseconds.
 Floating-point contraction is off; row sums, norms and cosines round differently from torch (float32 units in
 the last place).
 """
@@ -32,6 +36,7 @@ BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 32  # slots per tile of the redundancy scan
 BLOCK_E = 4096  # look-up-table entries per tile
 WARPS = 8
+SCAN_WARPS = 16  # the TBM token's scans: one program per row, a whole tile of the row per load
 EPS = tl.constexpr(1e-12)  # F.normalize's
 REL_EPS = tl.constexpr(1e-4)  # rotate_like's
 
@@ -81,14 +86,24 @@ def _unit(x):
 
 
 @triton.jit
-def _redundancy_kernel(k_ptr, raw_ptr, v_ptr, pos_ptr, len_ptr, keep_ptr, glo_ptr, past_ptr, cur_ptr, t_ptr,
-                       ratio_ptr, r_ptr, at_pos_ptr, at_slot_ptr, H, C, D, DV, SPAN, NB, WINDOW,
-                       SIMILARITY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _tbm_kernel(pos_ptr, len_ptr, keep_ptr, glo_ptr, past_ptr, cur_ptr, t_ptr, ratio_ptr, outside_ptr, H, C,
+                WINDOW, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
     t, ratio, outside = _tbm_token(pos_ptr, len_ptr, keep_ptr, glo_ptr, past_ptr, cur_ptr, row, H, C, WINDOW,
                                    BLOCK_C)
+    tl.store(t_ptr + row, t)
+    tl.store(ratio_ptr + row, ratio)
+    tl.store(outside_ptr + row, outside)
+
+
+@triton.jit
+def _redundancy_kernel(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, r_ptr, at_pos_ptr, at_slot_ptr, C, D,
+                       DV, SPAN, NB, SIMILARITY: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_DV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    t = tl.load(t_ptr + row)
+    outside = tl.load(outside_ptr + row)
     length = tl.load(len_ptr + row)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -117,8 +132,6 @@ def _redundancy_kernel(k_ptr, raw_ptr, v_ptr, pos_ptr, len_ptr, keep_ptr, glo_pt
     tl.store(r_ptr + row * NB + block, best)
     tl.store(at_pos_ptr + row * NB + block, oldest)
     tl.store(at_slot_ptr + row * NB + block, match)
-    tl.store(t_ptr + row, t, mask=block == 0)
-    tl.store(ratio_ptr + row, ratio, mask=block == 0)
 
 
 @triton.jit
@@ -289,14 +302,14 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     S, DV, rows, E = state.shape[0], values.shape[-1], B * H, tables[0].shape[-1] if lut is not None else 0
     NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
-    t = torch.empty(rows, dtype=torch.long, device=keys.device)
+    t, outside = (torch.empty(rows, dtype=torch.long, device=keys.device) for _ in range(2))
     ratio = torch.empty(rows, dtype=torch.float32, device=keys.device)
     R = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
-    block_c = scan_tile(C, BLOCK_C)
-    _redundancy_kernel[(rows, NB)](keys, raw_keys, values, positions, lengths, n_keep, *scores, t, ratio, R,
-                                   at_position, at_slot, H, C, D, DV, span, NB, window,
-                                   SIMILARITY=SIMILARITIES.index(similarity), BLOCK_C=block_c, BLOCK_S=BLOCK_S,
+    _tbm_kernel[(rows,)](positions, lengths, n_keep, *scores, t, ratio, outside, H, C, window,
+                         BLOCK_C=scan_tile(C, BLOCK_C), num_warps=SCAN_WARPS)
+    _redundancy_kernel[(rows, NB)](raw_keys, values, positions, lengths, t, outside, R, at_position, at_slot, C, D,
+                                   DV, span, NB, SIMILARITY=SIMILARITIES.index(similarity), BLOCK_S=BLOCK_S,
                                    BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), num_warps=WARPS)
     gamma_bits = 0 if math.isinf(gamma) else struct.unpack("<q", struct.pack("<d", gamma - 1))[0]
     _merge_kernel[(rows,)](keys, raw_keys, values, positions, lengths, state, n_keep, *scores, merged_mass,

@@ -46,6 +46,17 @@ def fold_lowest(best, oldest, victim, score, pos, c, free):
 
 
 @triton.jit
+def next_in_tile(pos, c, real, after):
+    """(position, slot) of the oldest position after ``after`` among one tile's ``real`` slots ``c`` (positions
+    ``pos``); (NO_POSITION, 0) when there is none. One reduction: the key position * 2^24 + slot orders as
+    (position, slot) for positions below 2^39 and slots below 2^24 (a row holds far fewer of either)."""
+    later = real & (pos > after)
+    key = tl.min(tl.where(later, pos * 16777216 + c, NO_POSITION), 0)
+    none = key == NO_POSITION
+    return tl.where(none, NO_POSITION, key >> 24), tl.where(none, 0, key & 16777215)
+
+
+@triton.jit
 def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
     """(position, slot) of the oldest position after ``after`` in one row; (NO_POSITION, 0) when there is none
     (slots.next_slots, one at a time)."""
@@ -54,10 +65,7 @@ def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         real = c < length
-        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        later = real & (pos > after)
-        low = tl.min(tl.where(later, pos, NO_POSITION), 0)
-        at = tl.min(tl.where(later & (pos == low), c, 2147483647), 0).to(tl.int64)
+        low, at = next_in_tile(tl.load(pos_ptr + row * C + c, mask=real, other=-1), c, real, after)
         slot = tl.where(low < best, at, slot)
         best = tl.minimum(low, best)
     return best, slot

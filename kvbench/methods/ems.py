@@ -85,6 +85,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score
+from kvbench.kernels.lut_expand import expand_lut
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
@@ -156,27 +157,15 @@ class EMS(Method):
         unused entries masked. Left-aligned over the static capacity T + E."""
         if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
             return None
-        position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
+        position, centre = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE]
         slot, live = self._centre_slots(kv)
-        D = kv.keys.shape[-1]
-        centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, D))
+        member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself
         if self.positions == "with":
-            centre_keys = rotate(centre_keys, torch.where(live, position - centre, 0))
-        keys = (unit_keys(centre_keys) * norm.float().unsqueeze(-1)).to(kv.keys.dtype)
-        values = kv.values.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.values.shape[-1]))
-        stored = torch.arange(kv.capacity, device=slot.device).expand_as(kv.positions)
-        valid = torch.cat([kv.valid(), live], -1)
-        order = true_first(valid)  # attended entries first, in place order
-
-        def rows(stored_rows: Tensor, member_rows: Tensor) -> Tensor:
-            both = torch.cat([stored_rows, member_rows], 2)
-            index = order if both.dim() == 3 else order.unsqueeze(-1).expand(-1, -1, -1, both.shape[-1])
-            return both.gather(2, index)
-
-        view = LayerKV(keys=rows(kv.keys, keys), values=rows(kv.values, values),
-                       positions=rows(kv.positions, torch.where(live, position, -1)),
-                       lengths=kv.lengths + live.sum(-1))
-        return Expansion(view, rows(stored, slot))
+            centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1]))
+            member_keys = rotate(centre_keys, torch.where(live, position - centre, 0))
+        keys, values, positions, slots, lengths = expand_lut(kv.keys, kv.values, kv.positions, kv.lengths, slot,
+                                                             live, position, kv.tables[LUT_NORM], member_keys)
+        return Expansion(LayerKV(keys=keys, values=values, positions=positions, lengths=lengths), slots)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         valid = kv.valid()

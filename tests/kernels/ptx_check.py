@@ -58,6 +58,11 @@ def main() -> None:
     triton_weightedkv_step.weightedkv_step(*layer, state[0], state[1], n_keep, 1, 1)
     triton_cam_step.cam_step(*layer, state[0], n_keep, 4, None, 16, 2**31 + 5)
     triton_cam_step.cam_step(*layer, state[0], n_keep, 1, 0.5, 1, None)
+    long_row = (torch.randn(1, 1, 9000, 16), torch.randn(1, 1, 9000, 16), torch.arange(9000).view(1, 1, 9000),
+                torch.full((1, 1), 9000), torch.rand(2, 1, 1, 9000))  # more slots than a tile: the scans loop
+    triton_cam_step.cam_step(*long_row, long_row[-1][0], torch.full((1,), 8999), 4, 0.5, 16, None)
+    triton_weightedkv_step.weightedkv_step(*long_row, long_row[-1][0], long_row[-1][1], torch.full((1,), 8999), 4,
+                                           None)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
     table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))

@@ -1,0 +1,71 @@
+"""EMS's look-up-table expansion: the entries a pass's attention reads instead of the stored slots, and the
+fold of the pass's statistics back onto the stored slots (``methods.ems``, ``kv.Expansion``).
+
+``expand_lut`` writes, per row ``(b, h)``, the stored slots ``[0, length)`` in slot order, then every live
+LUT member in table order as ``||k_j|| * unit(source_j)`` with its centre's value, then padding (zero keys
+and values, position -1, slot 0) up to the static width C = T + E: the view's length is ``length`` plus the
+row's live members. ``source_j`` is the centre's stored key (``member_keys`` None: "w.o. pos") or the
+caller's member keys (the centre's key rotated to the member's position: "w. pos").
+
+Shapes: keys (B, H, T, D), values (B, H, T, D_v), positions (B, H, T), lengths (B, H) long;
+slot (B, H, E) long: the stored slot of every member's centre (any value where not live); live (B, H, E)
+bool; lut_position (B, H, E) long; lut_norm (B, H, E) float32; member_keys None or (B, H, E, D).
+Returns keys (B, H, C, D) and values (B, H, C, D_v) in the storage dtypes, positions (B, H, C), the stored
+slot of every entry (B, H, C) long, and the view's lengths (B, H).
+
+This is the torch reference (gathers, a concatenation and a stable sort that left-aligns the attended
+entries); ``triton_lut_expand`` writes the view in one launch after a cumulative count of the live members.
+The member keys differ only by how ||source|| is summed: float32 sums in another order, so a stored key of a
+bfloat16 cache may round to the neighbouring bfloat16 (one unit in the last place, 2^-7 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvbench.kernels.dispatch import use_triton
+from kvbench.kernels.select import true_first
+from kvbench.kernels.similarity import unit_keys
+
+
+def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, slot: Tensor, live: Tensor,
+               lut_position: Tensor, lut_norm: Tensor, member_keys: Tensor | None = None,
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if use_triton("expand_lut", keys):
+        from kvbench.kernels import triton_lut_expand
+
+        return triton_lut_expand.expand_lut(keys, values, positions, lengths, slot, live, lut_position, lut_norm,
+                                            member_keys)
+    T = keys.shape[2]
+    if member_keys is None:
+        member_keys = keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    member = (unit_keys(member_keys) * lut_norm.float().unsqueeze(-1)).to(keys.dtype)
+    member_values = values.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+    stored = torch.arange(T, device=keys.device).expand_as(positions)
+    order = true_first(torch.cat([stored < lengths.unsqueeze(-1), live], -1))  # attended entries first
+    view_lengths = lengths + live.sum(-1)
+    attended = torch.arange(order.shape[-1], device=keys.device) < view_lengths.unsqueeze(-1)
+
+    def rows(stored_rows: Tensor, member_rows: Tensor, fill: float) -> Tensor:
+        both = torch.cat([stored_rows, member_rows], 2)
+        if both.dim() == 3:
+            return torch.where(attended, both.gather(2, order), fill)
+        index = order.unsqueeze(-1).expand(-1, -1, -1, both.shape[-1])
+        return torch.where(attended.unsqueeze(-1), both.gather(2, index), fill)
+
+    return (rows(keys, member, 0), rows(values, member_values, 0),
+            rows(positions, torch.where(live, lut_position, -1), -1), rows(stored, slot, 0), view_lengths)
+
+
+def fold_entries(stats: Tensor, slot: Tensor, lengths: Tensor, capacity: int) -> Tensor:
+    """stats (B, H_s, C) float32 of a view's entries, zero past each row's length -> (B, H_s, capacity) summed
+    onto the stored slot of every entry; slot (B, H, C) long and lengths (B, H) are the view's; H_s is H or
+    the query heads (head hs reads KV head hs // (H_s / H)). The Triton twin sums only the entries below the
+    length, with atomic float32 adds in any order (as CUDA's scatter_add does)."""
+    if use_triton("fold_entries", stats):
+        from kvbench.kernels import triton_lut_expand
+
+        return triton_lut_expand.fold_entries(stats, slot, lengths, capacity)
+    slot = slot.repeat_interleave(stats.shape[1] // slot.shape[1], dim=1)
+    return stats.new_zeros(*stats.shape[:2], capacity).scatter_add_(2, slot, stats)

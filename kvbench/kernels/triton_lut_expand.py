@@ -1,0 +1,126 @@
+"""Triton twins of ``lut_expand``: EMS's expanded view written in one launch, and its fold in one.
+
+``expand_lut``: a cumulative count of the live members per row (torch ``cumsum``, one launch) gives every
+member its place; then one program per (row, tile) writes a tile of stored slots or of LUT entries straight
+to its place in the view. Every entry of the view is written exactly once: stored slot s < length to s,
+live member j to length + (live members before j), dead member j to view_length + (dead members before j),
+stored padding s >= length to view_length + (dead members) + (s - length), both as padding.
+
+``fold_entries``: one program per (row, tile of entries) adds each entry below the row's length onto its
+stored slot with a float32 atomic add.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 32  # entries per program of the expansion
+FOLD_BLOCK = 1024  # entries per program of the fold
+
+
+@triton.jit
+def _lut_expand(
+    k_ptr, v_ptr, pos_ptr, len_ptr, slot_ptr, cum_ptr, lpos_ptr, lnorm_ptr, mk_ptr,
+    ok_ptr, ov_ptr, opos_ptr, oslot_ptr, olen_ptr,
+    skb, skh, skt, skd, svb, svh, svt, svd, smb, smh, sme, smd,
+    H, T, E, D, DV, n_stored_tiles,
+    HAS_MEMBER_KEYS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: large batches pass 2^31 elements
+    b, h = row // H, row % H
+    C = T + E
+    length = tl.load(len_ptr + row)
+    live_total = tl.load(cum_ptr + row * E + E - 1)
+    view_length = length + live_total
+    d, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    in_d, in_dv = d[None, :] < D, dv[None, :] < DV
+    if tile < n_stored_tiles:
+        s = tile * BLOCK + tl.arange(0, BLOCK)
+        inside = s < T
+        real = s < length
+        dest = tl.where(real, s, view_length + (E - live_total) + (s - length))
+        key = tl.load(k_ptr + b * skb + h * skh + s[:, None] * skt + d[None, :] * skd, mask=real[:, None] & in_d,
+                      other=0.0).to(tl.float32)  # both branches must give one type
+        value = tl.load(v_ptr + b * svb + h * svh + s[:, None] * svt + dv[None, :] * svd,
+                        mask=real[:, None] & in_dv, other=0.0)
+        position = tl.load(pos_ptr + row * T + s, mask=real, other=-1)
+        source = tl.where(real, s, 0).to(tl.int64)
+    else:
+        j = (tile - n_stored_tiles) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < E
+        cum = tl.load(cum_ptr + row * E + j, mask=inside, other=0)
+        before = tl.load(cum_ptr + row * E + j - 1, mask=inside & (j > 0), other=0)
+        real = inside & (cum > before)
+        dest = tl.where(real, length + cum - 1, view_length + j - cum)
+        source = tl.load(slot_ptr + row * E + j, mask=real, other=0).to(tl.int64)
+        if HAS_MEMBER_KEYS:
+            x = tl.load(mk_ptr + b * smb + h * smh + j[:, None] * sme + d[None, :] * smd, mask=real[:, None] & in_d,
+                        other=0.0).to(tl.float32)
+        else:
+            x = tl.load(k_ptr + b * skb + h * skh + source[:, None] * skt + d[None, :] * skd,
+                        mask=real[:, None] & in_d, other=0.0).to(tl.float32)
+        norm = tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), 1e-12)  # F.normalize's eps
+        member_norm = tl.load(lnorm_ptr + row * E + j, mask=real, other=0.0).to(tl.float32)
+        key = (x / norm[:, None]) * member_norm[:, None]
+        value = tl.load(v_ptr + b * svb + h * svh + source[:, None] * svt + dv[None, :] * svd,
+                        mask=real[:, None] & in_dv, other=0.0)
+        position = tl.load(lpos_ptr + row * E + j, mask=real, other=-1)
+    tl.store(ok_ptr + (row * C + dest[:, None]) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
+             mask=inside[:, None] & in_d)
+    tl.store(ov_ptr + (row * C + dest[:, None]) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
+             mask=inside[:, None] & in_dv)
+    tl.store(opos_ptr + row * C + dest, position, mask=inside)
+    tl.store(oslot_ptr + row * C + dest, source, mask=inside)
+    if tile == 0:
+        tl.store(olen_ptr + row, view_length)
+
+
+def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, slot: Tensor, live: Tensor,
+               lut_position: Tensor, lut_norm: Tensor, member_keys: Tensor | None = None,
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Triton ``lut_expand.expand_lut`` (E >= 1)."""
+    B, H, T, D = keys.shape
+    E, DV = slot.shape[-1], values.shape[-1]
+    C = T + E
+    cum = live.long().cumsum(-1).contiguous()
+    out_keys = keys.new_empty(B, H, C, D)
+    out_values = values.new_empty(B, H, C, DV)
+    out_positions = positions.new_empty(B, H, C)
+    out_slot = slot.new_empty(B, H, C)
+    out_lengths = torch.empty_like(lengths)
+    mk = keys if member_keys is None else member_keys
+    mk_strides = (0, 0, 0, 0) if member_keys is None else member_keys.stride()
+    n_stored_tiles = triton.cdiv(T, BLOCK)
+    _lut_expand[(B * H, n_stored_tiles + triton.cdiv(E, BLOCK))](
+        keys, values, positions.contiguous(), lengths.contiguous(), slot.contiguous(), cum,
+        lut_position.contiguous(), lut_norm.contiguous(), mk,
+        out_keys, out_values, out_positions, out_slot, out_lengths,
+        *keys.stride(), *values.stride(), *mk_strides, H, T, E, D, DV, n_stored_tiles,
+        HAS_MEMBER_KEYS=member_keys is not None, BLOCK=BLOCK, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_DV=triton.next_power_of_2(DV),
+    )
+    return out_keys, out_values, out_positions, out_slot, out_lengths
+
+
+@triton.jit
+def _lut_fold(stats_ptr, slot_ptr, len_ptr, out_ptr, Hs, group, C, capacity, BLOCK: tl.constexpr):
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    kv_row = (row // Hs) * (Hs // group) + (row % Hs) // group
+    length = tl.load(len_ptr + kv_row)
+    e = tile * BLOCK + tl.arange(0, BLOCK)
+    real = e < length
+    slot = tl.load(slot_ptr + kv_row * C + e, mask=real, other=0)
+    stat = tl.load(stats_ptr + row * C + e, mask=real, other=0.0)
+    tl.atomic_add(out_ptr + row * capacity + slot, stat, mask=real)
+
+
+def fold_entries(stats: Tensor, slot: Tensor, lengths: Tensor, capacity: int) -> Tensor:
+    """Triton ``lut_expand.fold_entries``."""
+    B, Hs, C = stats.shape
+    out = torch.zeros(B, Hs, capacity, dtype=stats.dtype, device=stats.device)
+    _lut_fold[(B * Hs, triton.cdiv(C, FOLD_BLOCK))](stats.contiguous(), slot.contiguous(), lengths.contiguous(), out,
+                                                Hs, Hs // slot.shape[1], C, capacity, BLOCK=FOLD_BLOCK)
+    return out

@@ -1,0 +1,94 @@
+"""EMS's LUT expansion and its fold: the Triton kernels against the torch references (``kernels.lut_expand``),
+on odd shapes: one stored slot, widths that are no multiple of the blocks, GQA, rows without live members,
+fp32/bf16 caches, centre keys read by the kernel ("w.o. pos") or handed to it ("w. pos"); and both kernels
+compiled for sm_90 without a GPU (``ptx_check_lut.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.kernels.dispatch import use_backend
+from kvbench.kernels.lut_expand import expand_lut, fold_entries
+from tests.kernels.conftest import OUTPUT_TOLERANCE
+
+SHAPES = [  # B, H, T, E, D, D_v
+    (1, 1, 1, 1, 4, 4),
+    (2, 3, 37, 70, 12, 20),
+    (1, 2, 33, 129, 64, 64),
+]
+
+
+def lut_case(B, H, T, E, D, DV, dtype, seed=0):
+    """A random layer and LUT: ragged lengths (one row of length 1), members live at random with their centre
+    in [0, length), the last row without any live member."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, T, D, generator=g).to(dtype)
+    values = torch.randn(B, H, T, DV, generator=g).to(dtype)
+    lengths = torch.randint(1, T + 1, (B, H), generator=g)
+    lengths.view(-1)[0] = 1
+    positions = torch.randperm(4 * T, generator=g)[:T].expand(B, H, T).clone()
+    live = torch.rand(B, H, E, generator=g) < 0.6
+    live.view(-1, E)[-1] = False
+    slot = (torch.rand(B, H, E, generator=g) * lengths.unsqueeze(-1)).long()
+    lut_position = torch.where(live, torch.randint(0, 4 * T, (B, H, E), generator=g), -1)
+    lut_norm = torch.where(live, torch.rand(B, H, E, generator=g) * 3, -1.0)
+    return keys, values, positions, lengths, slot, live, lut_position, lut_norm
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("given_keys", [False, True], ids=["centre_keys", "member_keys"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_expand_lut_triton_matches_torch(shape, given_keys, dtype):
+    B, H, T, E, D, DV = shape
+    case = lut_case(*shape, dtype)
+    member_keys = torch.randn(B, H, E, D, generator=torch.Generator().manual_seed(3)).to(dtype) if given_keys else None
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = expand_lut(*case, member_keys)
+    (k0, v0, p0, s0, l0), (k1, v1, p1, s1, l1) = out["torch"], out["triton"]
+    lengths, live = case[3], case[5]
+    assert torch.equal(l1, lengths + live.sum(-1)) and torch.equal(l0, l1)
+    assert k1.shape == (B, H, T + E, D) and k1.dtype == dtype and v1.shape == (B, H, T + E, DV)
+    assert torch.equal(p0, p1) and torch.equal(s0, s1) and torch.equal(v0, v1)
+    atol, rtol = OUTPUT_TOLERANCE[dtype]  # one bfloat16 rounding apart at most (the module doc)
+    torch.testing.assert_close(k1, k0, atol=atol, rtol=rtol)
+    stored = torch.arange(T + E) < lengths.unsqueeze(-1)  # stored slots are copied bit for bit
+    assert torch.equal(k1[stored], k0[stored])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("group", [1, 3])
+def test_fold_entries_triton_matches_torch(shape, group):
+    B, H, T, E, D, DV = shape
+    case = lut_case(*shape, torch.float32)
+    with use_backend("torch"):
+        _, _, _, slot, lengths = expand_lut(*case)
+    g = torch.Generator().manual_seed(7)
+    attended = torch.arange(T + E) < lengths.repeat_interleave(group, dim=1).unsqueeze(-1)
+    stats = torch.where(attended, torch.rand(B, H * group, T + E, generator=g), 0.0)
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = fold_entries(stats, slot, lengths, T)
+    assert out["triton"].shape == (B, H * group, T)
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-6, rtol=1e-6)  # float32 sums in any order
+    torch.testing.assert_close(out["triton"].sum(-1), stats.sum(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in KVBENCH_KERNEL_TESTS=cuda")
+def test_lut_kernels_compile_for_the_gpu():
+    """Both kernels' variants compile to sm_90 in a process without TRITON_INTERPRET (``ptx_check_lut.py``)."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("ptx_check_lut.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 kernel variants compiled" in done.stdout
