@@ -73,34 +73,42 @@ def _base_function(impl: str):
 
 
 def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, kwargs):
-    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics.
+    """The first pass over an empty layer: causal attention of the prompt to itself, and its statistics, one
+    dict per statistic set (the plan's own, then ``plan.stat_sets``, a prompt pass shared by several methods),
+    each exactly as a pass asking for it alone computes it.
 
-    Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse``.
-    Statistics of the last ``window`` queries alone need only theirs: the wrapped implementation runs the
-    forward and the window's lse is computed apart (a window of 32 rows costs a few percent of a pass)."""
-    wanted = plan.wanted & ATTENTION_STATS
+    Column sums over every query need every query's lse: the forward comes from ``causal_attention_lse`` when
+    any set wants them (on the CPU it runs the kernel the wrapped sdpa runs: the same output to the bit).
+    Statistics of the last ``window`` queries alone need only theirs: they are computed apart (a window of 32
+    rows costs a few percent of a pass), also beside a forward that returned every query's lse."""
+    sets = [(plan.wanted & ATTENTION_STATS, plan.window),
+            *((wanted & ATTENTION_STATS, window) for wanted, window in plan.stat_sets)]
     B, Q = query.shape[0], query.shape[2]
-    if wanted & EVERY_QUERY_STATS:
+    if any(wanted & EVERY_QUERY_STATS for wanted, _ in sets):
         output, lse = causal_attention_lse(query, key, value, scaling)
         output = output.transpose(1, 2).contiguous()
     else:
         output, _ = base(module, query, key, value, None, scaling=scaling, **kwargs)
-        if not wanted:
-            return output, {}
         lse = None
     key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
     key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
-    return output, _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, plan)
+    computed = {}
+    for wanted, window in sets:
+        if wanted and (wanted, window) not in computed:
+            computed[wanted, window] = _stats_from_lse(
+                query, key, lse if wanted & EVERY_QUERY_STATS else None, key_valid, key_pos, scaling,
+                plan.query_positions, wanted, window)
+    return output, [computed.get((wanted, window), {}) for wanted, window in sets]
 
 
-def _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, plan: PassPlan) -> dict:
-    """The pass's statistics over ``key`` (B, H_kv, T) from one column-sum pass with the queries' lse (B, H_q, q)
-    (or, when only the last ``window`` queries' statistics are wanted and ``lse`` is None, theirs computed
-    apart); per-query-head sums (D2O) run it over the keys repeated to the query heads."""
-    wanted = plan.wanted & ATTENTION_STATS
+def _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, query_positions, wanted: frozenset[str],
+                    window: int) -> dict:
+    """The ``wanted`` statistics over ``key`` (B, H_kv, T) from one column-sum pass with the queries' lse
+    (B, H_q, q) (or, when only the last ``window`` queries' statistics are wanted and ``lse`` is None, theirs
+    computed apart); per-query-head sums (D2O) run it over the keys repeated to the query heads."""
     B, Hq, Q, _ = query.shape
-    window = plan.window if "window_column_sums" in wanted else 0
-    q, q_pos = query, plan.query_positions
+    window = window if "window_column_sums" in wanted else 0
+    q, q_pos = query, query_positions
     if not wanted & EVERY_QUERY_STATS:  # the window's queries alone
         q, q_pos = query[:, :, -window:], q_pos[:, -window:]
         lse = None if lse is None else lse[:, :, -window:]
@@ -152,7 +160,7 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     if expansion is None and (bias is None or not wanted):  # this pass's tokens are every row's last q slots
         output, lse = chunk_attention(query, kv.keys, kv.values, kv.lengths, scaling, key_bias=bias)
         stats = _stats_from_lse(query, kv.keys[:, :, :t], lse, valid, kv.positions[:, :, :t], scaling,
-                                plan) if wanted else {}
+                                plan.query_positions, wanted, plan.window) if wanted else {}
     else:  # expanded entries, or statistics with a logit bias (the column-sum pass takes none)
         output, stats = ragged_attention(
             query, kv.keys[:, :, :t], kv.values[:, :, :t], valid, kv.positions[:, :, :t], plan.query_positions,
@@ -186,7 +194,8 @@ def _make_attention(impl: str):
         layer_idx, plan = module.layer_idx, cache.plan
         layer = cache.layers[layer_idx]
         if layer.fresh:
-            output, stats = _prompt_attention(base, module, query, key, value, scaling, plan, kwargs)
+            output, (stats, *shared) = _prompt_attention(base, module, query, key, value, scaling, plan, kwargs)
+            cache.set_stats[layer_idx] = [AttentionStats(num_queries=plan.num_queries, **s) for s in shared]
         else:
             output, stats = _cached_attention(base, module, query, layer, scaling, plan, kwargs)
         cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)

@@ -36,6 +36,9 @@ class PassPlan:
     static_shapes:   no host-known length may shape a kernel (a CUDA graph is being captured).
     expand:          (layer index, stored cache) -> the entries attention reads instead of the stored slots, or
                      None for the slots themselves (``Method.expand``); None for methods that never expand.
+    stat_sets:       a prompt pass shared by several methods (``kvbench.shared_prefill``): further (wanted,
+                     window) statistic sets, each computed as a pass asking for it alone computes it; they land
+                     in ``CompressedCache.set_stats``, in this order.
     """
 
     query_positions: Tensor
@@ -45,6 +48,7 @@ class PassPlan:
     after_layer: Callable[[int], None] | None = None
     static_shapes: bool = False
     expand: Callable[[int, LayerKV], Expansion | None] | None = None
+    stat_sets: tuple[tuple[frozenset[str], int], ...] = ()
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -197,6 +201,7 @@ class CompressedCache(Cache):
         super().__init__(layers=[CompressedLayer() for _ in range(num_layers)])
         self.plan: PassPlan | None = None
         self.pass_stats: list[AttentionStats] = [AttentionStats() for _ in range(num_layers)]
+        self.set_stats: list[list[AttentionStats]] = [[] for _ in range(num_layers)]  # PassPlan.stat_sets'
 
     @torch.compiler.disable  # host decisions (the length mirror): compiled layers call it as it is
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):

@@ -55,6 +55,10 @@ def check_top_level(cfg: DictConfig) -> None:
     if cfg.position_mode not in POSITION_MODES:
         raise unknown_name("position_mode", cfg.position_mode, POSITION_MODES)
     _expect("skip_finished", cfg.skip_finished, bool)
+    _expect("sweep.fuse", cfg.sweep.fuse, bool)
+    _expect("sweep.memory_gb", cfg.sweep.memory_gb, float | None)
+    if cfg.sweep.memory_gb is not None and cfg.sweep.memory_gb <= 0:
+        raise ConfigError(f"sweep.memory_gb={cfg.sweep.memory_gb} must be > 0 GiB, or null for half the free memory")
 
 
 def fields_of(group: str, node: DictConfig) -> tuple[type, dict[str, object]]:

@@ -88,6 +88,13 @@ class DeviceTimer:
             yield
             self.host[name] += time.perf_counter() - t0
 
+    def total(self, name: str) -> float:
+        """Seconds in ``name`` so far, leaving them to be read again (``seconds`` takes them)."""
+        pairs = self.events.get(name, [])
+        if pairs:
+            pairs[-1][1].synchronize()
+        return self.host.get(name, 0.0) + sum(s.elapsed_time(e) for s, e in pairs) / 1000
+
     def seconds(self, name: str) -> float:
         pairs = self.events.pop(name, [])
         if pairs:
@@ -225,7 +232,7 @@ class Session:
         due = self.due_rows() if compress else np.zeros(len(self.row_steps), bool)
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             for index, layer in enumerate(cache.layers):
-                stats = engine._with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
+                stats = engine.with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
                 method.observe(index, layer.kv, stats)
                 action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
                 if action == "in_place" and q == 1:
@@ -380,7 +387,7 @@ class Engine:
                              use_cache=True, kvbench_cache=cache, logits_to_keep=logits_to_keep)
         return out.logits
 
-    def _with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:
+    def with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:
         if "raw_keys" in needs:
             stats.raw_keys = unrotate_keys(self.model, kv.keys, kv.positions)
         return stats
@@ -432,14 +439,12 @@ class Engine:
     def _prefill_row(self, prompt: list[int], n_keep: Tensor, max_new_tokens: int, suffix: list[int],
                      timer: DeviceTimer) -> Session:
         method, L, n = self.method, self.num_layers, len(prompt)
-        cache = CompressedCache(L)
+        session = self.new_row(n, timer)
+        cache = session.cache
         tokens = torch.tensor([prompt], device=self.device)
         per_layer = not method.budget_needs
         if per_layer:  # budgets from the prompt length alone: known before the pass
-            layer_n_keep = method.layer_budgets(n_keep, L, [AttentionStats(num_queries=torch.tensor([n]))] * L,
-                                                max_new_tokens)
-        session = Session(self, cache, next_index=torch.tensor([n], device=self.device),
-                          layer_n_keep=None, host_n_keep=None, timer=timer)
+            session.layer_n_keep = self.budgets_before_pass(n_keep, n, max_new_tokens)
         chunk = self.prefill_chunk_size or n
         observed = [None] * L  # chunked: column sums of every slot over all prompt queries so far, by position
         logits = None
@@ -449,31 +454,58 @@ class Engine:
 
             def compress_layer(layer: int) -> None:
                 stats = self._prompt_stats(cache, layer, observed, stop, start > 0)
-                with timer.section("compress"):
-                    kv = method.compress(layer, cache.kv(layer), stats, session.layer_n_keep[layer], "prefill")
-                    cache.set_kv(layer, kv)
+                self.compress_prompt_layer(session, layer, cache.kv(layer), stats)
                 cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
 
             plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
                             wanted=method.needs, window=method.window,
                             after_layer=compress_layer if per_layer else None, expand=self.expand)
-            if per_layer:
-                session.layer_n_keep = layer_n_keep.to(self.device)
             logits = self._forward(tokens[:, start:stop], index, index, cache, plan, logits_to_keep=1)
             if not per_layer:
                 stats = [self._prompt_stats(cache, layer, observed, stop, start > 0) for layer in range(L)]
-                session.layer_n_keep = method.layer_budgets(n_keep, L, stats, max_new_tokens).to(self.device)
-                for layer in range(L):
-                    with timer.section("compress"):
-                        cache.set_kv(layer, method.compress(layer, cache.kv(layer), stats[layer],
-                                                            session.layer_n_keep[layer], "prefill"))
-                    cache.pass_stats[layer] = AttentionStats()
+                self.compress_after_pass(session, n_keep, stats, max_new_tokens)
+        return self.finish_row(session, n, logits, suffix, max_new_tokens)
+
+    def new_row(self, prompt_length: int, timer: DeviceTimer) -> Session:
+        """An empty single-row session whose prompt of ``prompt_length`` tokens is about to be prefilled."""
+        return Session(self, CompressedCache(self.num_layers),
+                       next_index=torch.tensor([prompt_length], device=self.device), layer_n_keep=None,
+                       host_n_keep=None, timer=timer)
+
+    def budgets_before_pass(self, n_keep: Tensor, prompt_length: int, max_new_tokens: int) -> Tensor:
+        """(L, 1) layer budgets of a method whose budgets need no statistics (known from the length alone)."""
+        stats = [AttentionStats(num_queries=torch.tensor([prompt_length]))] * self.num_layers
+        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
+
+    def compress_prompt_layer(self, session: Session, layer: int, kv: LayerKV, stats: AttentionStats,
+                              own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
+        """Compress a prompt layer ``kv`` into the row's cache (timed as prefill compression). ``own(layer, kv)``
+        makes the result the row's own storage where the method returned shared tensors (a prompt pass shared by
+        several rows, ``kvbench.shared_prefill``)."""
+        with session.timer.section("compress"):
+            compressed = self.method.compress(layer, kv, stats, session.layer_n_keep[layer], "prefill")
+            session.cache.set_kv(layer, compressed if own is None else own(layer, compressed))
+
+    def compress_after_pass(self, session: Session, n_keep: Tensor, stats: list[AttentionStats],
+                            max_new_tokens: int, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
+        """A method whose layer budgets need every layer's statistics (``Method.budget_needs``): the budgets,
+        then every layer compressed, after the prompt pass."""
+        session.layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
+        for layer in range(self.num_layers):
+            self.compress_prompt_layer(session, layer, session.cache.kv(layer), stats[layer], own)
+            session.cache.pass_stats[layer] = AttentionStats()
+
+    def finish_row(self, session: Session, prompt_length: int, logits: Tensor, suffix: list[int],
+                   max_new_tokens: int) -> Session:
+        """After the prompt pass and its compression: the row's records, its storage planned for what
+        follows, then its ``suffix`` fed uncompressed. logits: (1, q, V) of the pass."""
+        cache = session.cache
         session.host_n_keep = session.layer_n_keep.cpu().numpy()
         session.logits = logits[:, -1]
         session.prefill_lengths = cache.lengths()
-        session.kv_bytes_full = [n * self._token_bytes(cache)]
+        session.kv_bytes_full = [prompt_length * self._token_bytes(cache)]
         session.kv_bytes_compressed = [self.row_bytes(cache, 0)]
-        session.prompt_lengths = [n]
+        session.prompt_lengths = [prompt_length]
         self._plan_capacity(session, extra=len(suffix), max_new_tokens=max_new_tokens)
         if suffix:
             session.feed(torch.tensor([suffix], device=self.device), phase="extend")
@@ -496,7 +528,7 @@ class Engine:
             stats.column_sums = torch.where(valid, table.gather(2, position), 0.0)
         if chunked:
             stats.num_queries = torch.full_like(stats.num_queries, seen)
-        return self._with_raw_keys(kv, stats, self.method.needs)
+        return self.with_raw_keys(kv, stats, self.method.needs)
 
     def planned_capacities(self, row: Session, max_new_tokens: int, extra: int = 0) -> list[int]:
         """Slots every layer of ``row`` needs from now on: ``extra`` more tokens (its suffix), then decoding up to
@@ -563,6 +595,11 @@ class Engine:
         with PeakMemory(self.device, baseline=self.weight_bytes) as peak, attach(self.model, self.attn_implementation):
             gens = decode_prompts(self, prompts, suffixes, request,
                                   self.batch_size if batch_size is None else batch_size)
-        for gen in gens:
-            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak.bytes, peak.bytes - self.weight_bytes
+        self.record_peak(gens, peak.bytes)
         return gens
+
+    def record_peak(self, gens: list[Generation], peak: int) -> None:
+        """Set the peak memory (``PeakMemory.bytes`` with the weights as its baseline) of the block that made
+        ``gens`` on each of them."""
+        for gen in gens:
+            gen.peak_memory_bytes, gen.peak_memory_above_weights_bytes = peak, peak - self.weight_bytes

@@ -10,6 +10,7 @@ import logging
 import platform
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,15 +78,29 @@ def _flatten(prefix: str, node: dict) -> dict:
 
 
 def build(cfg: DictConfig) -> tuple[models.LanguageModel, Method, Budget, Task]:
+    method, budget = build_method(cfg)
+    task = build_task(cfg)
+    return models.load(cfg.model), method, budget, task
+
+
+def build_method(cfg: DictConfig) -> tuple[Method, Budget]:
     method = checks.instantiate_config(cfg.method)
     if not isinstance(method, Method):
         raise ConfigError(f"method config '{cfg.method.get('_target_')}' does not build a kvbench Method")
-    budget = Budget(kind=cfg.budget.kind, value=cfg.budget.value)
+    return method, Budget(kind=cfg.budget.kind, value=cfg.budget.value)
+
+
+def build_task(cfg: DictConfig) -> Task:
     task = checks.instantiate_config(cfg.task)
     if not isinstance(task, Task):
         raise ConfigError(f"task config '{cfg.task.get('_target_')}' does not build a kvbench Task")
-    lm = models.load(cfg.model)
-    return lm, method, budget, task
+    return task
+
+
+def build_engine(cfg: DictConfig, lm: models.LanguageModel, method: Method, budget: Budget) -> Engine:
+    return Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
+                  prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
+                  batch_size=cfg.batch_size, compile=cfg.engine.compile)
 
 
 def device_id(device: torch.device) -> str:
@@ -94,6 +109,20 @@ def device_id(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return f"cuda:{torch.cuda.get_device_properties(device.index or 0).uuid}"
+
+
+@dataclass
+class Point:
+    """One run while it executes: its config, results root, id and labels, its Hydra job dir (or None), and
+    its status record ("running": start in epoch seconds, the device it competes for (``device_id``), labels,
+    the command-line overrides it was started with when known)."""
+
+    cfg: DictConfig
+    root: Path
+    rid: str
+    labels: dict
+    hydra_dir: Path | None
+    record: dict
 
 
 def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | None = None) -> Path | None:
@@ -105,6 +134,12 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | N
 
     While it runs, ``<root>/status/<run_id>.json`` says so; if it fails or is interrupted, the record says
     that (with the error); a published run replaces it."""
+    point = open_point(cfg, hydra_dir, overrides)
+    return None if point is None else execute(point)
+
+
+def open_point(cfg: DictConfig, hydra_dir: Path | None, overrides: list[str] | None = None) -> Point | None:
+    """Check a run and mark it running; None when it finished before (skipped, as ``run`` says)."""
     checks.validate(cfg)
     root = Path(cfg.results_root)
     rid = store.run_id(result_config(cfg))
@@ -122,72 +157,107 @@ def run(cfg: DictConfig, hydra_dir: Path | None = None, overrides: list[str] | N
     record = {"start": time.time(), "device_id": device_id(torch.device(cfg.model.device)), **labels,
               **({"overrides": list(overrides)} if overrides is not None else {})}
     status.mark(root, rid, "running", **record)
+    return Point(cfg, root, rid, labels, hydra_dir, record)
+
+
+def execute(point: Point) -> Path:
+    """Run an opened point alone and publish it; a failure or Ctrl-C is recorded in its status record."""
     try:
-        final, metrics, predictions = _execute(cfg, root, rid, labels, record, hydra_dir)
+        written = _execute(point)
     except BaseException as err:
         with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
-            _record_end(root, rid, err, record)
+            mark_ended(point, err)
         raise
-    log.info("run %s written to %s", rid, final)
-    trackers.log_run(cfg.logger, OmegaConf.to_container(cfg, resolve=True), metrics, predictions, final)
+    return announce(point, *written)
+
+
+def announce(point: Point, final: Path, metrics: pd.DataFrame, predictions: pd.DataFrame) -> Path:
+    """A published run logged and sent to the configured tracker; returns its run directory."""
+    log.info("run %s written to %s", point.rid, final)
+    trackers.log_run(point.cfg.logger, OmegaConf.to_container(point.cfg, resolve=True), metrics, predictions, final)
     return final
 
 
-def _record_end(root: Path, rid: str, err: BaseException, record: dict) -> None:
+def mark_ended(point: Point, err: BaseException) -> None:
     """The status record of a run that ended unpublished: "interrupted" (Ctrl-C) or "failed" with the error.
     Writing it may fail too (a full disk): then the "running" record stays and shows as stale."""
     if isinstance(err, KeyboardInterrupt):
         state, error = "interrupted", "interrupted (Ctrl-C or SIGINT) before it was published"
     else:
         full = disk_full(err)
-        state, error = "failed", disk_full_line(full, root) if full else f"{type(err).__name__}: {err}"
+        state, error = "failed", disk_full_line(full, point.root) if full else f"{type(err).__name__}: {err}"
     try:
-        status.mark(root, rid, state, error=error, **record)
+        status.mark(point.root, point.rid, state, error=error, **point.record)
     except OSError as mark_err:
-        log.warning("run %s %s, and its status record could not be written (%s)", rid, state, describe(mark_err))
+        log.warning("run %s %s, and its status record could not be written (%s)", point.rid, state,
+                    describe(mark_err))
 
 
-def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
-             hydra_dir: Path | None) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
-    """The run up to its publication: (run directory, metric rows, per-sample rows)."""
-    device_key = record["device_id"]
+def prepare(cfg: DictConfig) -> None:
+    """The process settings a run needs before it builds anything: threads, seeds, the kernel backend."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # one thread per granted core: oversubscribed cores crawl
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    started = dt.datetime.now(dt.timezone.utc)
     dispatch.set_backend(cfg.kernels.backend)
-    lm, method, budget, task = build(cfg)
-    engine = Engine(lm.model, method, budget, cfg.model.attn_implementation, cfg.position_mode,
-                    prefill_chunk_size=cfg.engine.prefill_chunk_size, cuda_graphs=cfg.engine.cuda_graphs,
-                    batch_size=cfg.batch_size, compile=cfg.engine.compile)
+
+
+def load_samples(cfg: DictConfig, task: Task, lm: models.LanguageModel) -> list:
+    """The run's samples (the first ``limit``), each checked to fit the model."""
     samples = checks.task_samples(task)
     if cfg.limit is not None:
         samples = samples[: int(cfg.limit)]
     for sample in samples:
         task.check_fits(task.build_prompt(sample, lm), sample, lm, cfg.position_mode)
-    device = engine.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return samples
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False)
+
+
+def _execute(point: Point) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
+    """The run up to its publication: (run directory, metric rows, per-sample rows)."""
+    cfg = point.cfg
+    prepare(cfg)
+    lm, method, budget, task = build(cfg)
+    engine = build_engine(cfg, lm, method, budget)
+    samples = load_samples(cfg, task, lm)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    # a task that runs a batch in lockstep gets batch_size samples at a time; the others get them all and decode
-    # them through the engine's continuous batching, the bar following each finished generation
-    chunk = cfg.batch_size if task.lockstep_batches else len(samples)
-    with Progress(*columns, transient=False) as progress:
-        bar = progress.add_task(store.run_label(labels), total=len(samples))
+    with progress_bar() as progress:
+        bar = progress.add_task(store.run_label(point.labels), total=len(samples))
+        # a task that runs a batch in lockstep gets batch_size samples at a time; the others get them all and
+        # decode them through the engine's continuous batching, the bar following each finished generation
+        chunk = cfg.batch_size if task.lockstep_batches else len(samples)
         finished = itertools.count(1)
         engine.on_generation = lambda: progress.update(bar, completed=min(len(samples), next(finished)))
         for start in range(0, len(samples), chunk):
             batch = samples[start : start + chunk]
             rows.extend(task.predict(batch, lm, engine))
             progress.update(bar, completed=start + len(batch))
-    wall = time.perf_counter() - t0
+    return publish(point, task, rows, time.perf_counter() - t0, len(samples), engine)
+
+
+def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: int, engine: Engine,
+            group: list[str] = ()) -> tuple[Path, pd.DataFrame, pd.DataFrame]:
+    """Score a run's per-sample rows and write it, as if it had run alone: (run directory, metric rows,
+    per-sample rows). ``engine``: the run's (one of a fused group's). ``group``: the run ids of a fused group it
+    ran in (``kvbench.sweep``; this one included): its timings were shared with them, so its rows say
+    ``fused_group_size`` and the group's runs do not count as other runs on the device."""
+    cfg, root, rid, labels = point.cfg, point.root, point.rid, point.labels
+    budget, device = Budget(cfg.budget.kind, cfg.budget.value), engine.device
+    group_size = max(1, len(group))
     predictions = pd.DataFrame(rows)
     predictions.insert(0, "run_id", rid)
-    overlapping = status.overlapping_runs(root, rid, device_key, started.timestamp(), time.time())
+    predictions["fused_group_size"] = group_size
+    started = dt.datetime.fromtimestamp(point.record["start"], dt.timezone.utc)
+    overlapping = [r for r in status.overlapping_runs(root, rid, point.record["device_id"], point.record["start"],
+                                                      time.time()) if r not in group]
     if overlapping:
         log.warning("run %s shared its device with %d other runs (%s): its timings are marked "
                     "concurrent_runs=%d", rid, len(overlapping), ", ".join(overlapping), len(overlapping))
@@ -206,22 +276,23 @@ def _execute(cfg: DictConfig, root: Path, rid: str, labels: dict, record: dict,
         "batch_size": cfg.batch_size,
         "position_mode": cfg.position_mode,
         "limit": cfg.limit,
-        "n_samples": len(samples),
+        "n_samples": n_samples,
         "attn_implementation": cfg.model.attn_implementation,
         "dtype": cfg.model.dtype,
         "device": str(device),
         "concurrent_runs": len(overlapping),  # > 0: timings taken while other runs shared the device
+        "fused_group_size": group_size,  # > 1: prompt passes and timings shared by a fused sweep group
         **code,
     }
     metric_rows = task.aggregate(predictions)
     summary = _summary(predictions, wall, peak_memory_bytes(device))
     metrics = pd.DataFrame([{**run_columns, **row, "sample_ids_hash": sample_ids_hash(predictions, row["dataset"]),
                              **summary} for row in metric_rows])
-    meta = _meta(cfg, labels, rid, str(device), device_key, started, len(samples), overlapping, code)
-    if "overrides" in record:
-        meta["overrides"] = record["overrides"]
+    meta = _meta(cfg, labels, rid, str(device), point.record["device_id"], started, n_samples, overlapping, code)
+    if "overrides" in point.record:
+        meta["overrides"] = point.record["overrides"]
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=hydra_dir,
+    final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=point.hydra_dir,
                             artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
     status.clear(root, rid)
     return final, metrics, predictions

@@ -113,7 +113,9 @@ def prompt_stats(method, layer: dict, scaling: float):
     n = layer["query"].shape[2]
     plan = PassPlan(query_positions=layer["positions"], num_queries=torch.tensor([n], device=layer["keys"].device),
                     wanted=method.needs, window=method.window)
-    return _prompt_attention(base, None, layer["query"], layer["keys"], layer["values"], scaling, plan, {})
+    output, (stats, *_) = _prompt_attention(base, None, layer["query"], layer["keys"], layer["values"], scaling, plan,
+                                            {})  # the plan's own statistics (it shares no pass: no further sets)
+    return output, stats
 
 
 def method_inputs(method, layer: dict, scaling: float) -> AttentionStats:

@@ -3,7 +3,7 @@
 # transformers, pandas, pyarrow, ... (scripts/gpu_image_packages.txt) and whose other kvbench dependencies travel
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps
+#   bash $s setup; bash $s tests; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep
 #   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
@@ -53,6 +53,15 @@ bench)  # kernel timings, torch vs Triton
     2>&1 | tail -40 ;;
 decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host gap, points in one step
   timeout 560 python3 -m scripts.bench_decode_loop "$@" 2>&1 | tee $work/decode_loop.md | grep -vE "^Loading" ;;
+sweep)  # fused sweeps (issue 22), one process: the 6-point sweep alone and fused, the 36-point sweep fused,
+        # batch-1 TPOT; NIAH 16k, 8 depths, 30 new tokens, batch 8 (model: the first argument). The runs' own
+        # output goes to bench_sweep_runs.log
+  timeout 470 python3 -m scripts.bench_sweep --tpot \
+    --wide "method=full,streamingllm,h2o,snapkv,pyramidkv,tova,cam,d2o,kvmerger,ems,weightedkv,chelsea budget=0.2,0.35,0.5" \
+    model=${1:-llama3.1-8b-shape-random} task=niah 'task.context_lengths=[16000]' \
+    'task.depths=[0,14,29,43,57,71,86,100]' batch_size=8 method=full,streamingllm,snapkv,tova,h2o,chelsea budget=0.2 \
+    2> $work/bench_sweep_runs.log | tee $work/bench_sweep.md
+  echo "bench_sweep rc=${PIPESTATUS[0]}"; grep -E "Error|error:" $work/bench_sweep_runs.log | tail -5 ;;
 prefill)  # every method's prompt compression on one Llama-3.1-8B-shaped layer beside the layer (16k, 32k)
   timeout 240 python3 scripts/bench_prefill.py --profile "$@" > $work/bench_prefill.log 2>&1
   echo "bench_prefill rc=$?"; grep -E "^\|" $work/bench_prefill.log ;;
@@ -69,5 +78,5 @@ targets)
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, prefill, steps, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, e2e, bench, decode, sweep, prefill, steps, grid, targets, pack"; exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 """Sweeps through a real single-node SLURM cluster (slurmctld + slurmd + munged started by the test).
 
 Needs root and Debian's slurm-wlm + munge (``scripts/slurm_cluster.sh install``; CI installs them);
-skipped otherwise. Checks that every sweep point lands in the shared results root, that a job cancelled
+skipped otherwise. Checks that every sweep point lands in the shared results root (a fused group as one
+job), that a job cancelled
 mid-run (by the id ``kvbench status`` shows) ends the launcher's wait and is redone on resubmission while
 finished points are not touched, that a point failing in its job is reported without hanging the
 launcher, and that the cluster script stops only the daemons it started.
@@ -65,20 +66,22 @@ def sweep_command(root, *points, task="passkey"):
 def test_sweep_through_slurm_lands_every_point(slurm_env, tmp_path):
     proc = subprocess.run(
         sweep_command(tmp_path, "method=full,streamingllm", "budget=0.2,0.5", "task.context_lengths=[128]",
-                      "task.depths=[0]"),
+                      "task.depths=[0],[100]"),  # two groups of fused points: an array of two jobs
         env=slurm_env, cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = store.finished_runs(tmp_path)
-    assert len(runs) == 3  # the full cache ignores the budget: one run for both budgets
+    assert len(runs) == 6  # the full cache ignores the budget: one run for both budgets
     states = status.run_states(tmp_path)
     assert {s["state"] for s in states} == {"done"}
     assert all(s.get("slurm_job_id") for s in states), "each point ran as a SLURM job"
     assert all(re.fullmatch(r"\d+_\d+", s["slurm_job"]) for s in states), "the array id scancel takes"
-    assert "kvbench sweep: 4 points: 3 done, 1 skipped, 0 failed" in proc.stdout
+    assert len({s["slurm_job"] for s in states}) == 2, "one SLURM job per fused group"
+    assert "kvbench sweep: 8 points: 6 done, 2 skipped, 0 failed" in proc.stdout
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")
     assert set(zip(metrics["method"], metrics["budget"])) == {
         ("full", "full"), ("streamingllm", "0.2"), ("streamingllm", "0.5")}
+    assert set(metrics["fused_group_size"]) == {3}
 
 
 def _wait_for_running(root, timeout=300) -> dict:

@@ -80,8 +80,9 @@ def interrupt_at(method: str, monkeypatch) -> None:
 
 def test_ctrl_c_stops_a_sweep_with_its_summary_and_the_same_command_resumes(tmp_path, monkeypatch):
     """Issue 24, case 7 (the sequential launcher; the local one below): one line and the summary, no
-    traceback, exit 130; the run in progress is recorded as interrupted, with the command that re-runs it."""
-    args = [*PASSKEY, "method=full,h2o,snapkv", f"results_root={tmp_path}"]
+    traceback, exit 130; the run in progress is recorded as interrupted, with the command that re-runs it.
+    Points run alone (a fused group's Ctrl-C is in test_fused_sweeps.py)."""
+    args = [*PASSKEY, "method=full,h2o,snapkv", "sweep.fuse=false", f"results_root={tmp_path}"]
     interrupt_at("h2o", monkeypatch)
     code, _, err = sweep(args, monkeypatch)
     lines = err.strip().splitlines()
@@ -93,7 +94,7 @@ def test_ctrl_c_stops_a_sweep_with_its_summary_and_the_same_command_resumes(tmp_
     assert records["h2o"]["error"] == "interrupted (Ctrl-C or SIGINT) before it was published"
     assert status.what_to_do(tmp_path, records["h2o"]) == (
         "run it again: python -m kvbench model=tiny-llama-random task=passkey 'task.context_lengths=[128]' "
-        f"'task.depths=[0]' method=h2o results_root={tmp_path}")
+        f"'task.depths=[0]' method=h2o sweep.fuse=False results_root={tmp_path}")
     monkeypatch.undo()
     code, out, _ = sweep(args, monkeypatch)
     assert code == 0 and "kvbench sweep: 3 points: 2 done, 1 skipped, 0 failed" in out
@@ -128,15 +129,16 @@ def test_a_point_failing_under_a_launcher_returns_a_result_instead_of_exiting(tm
 
 
 class FakeJob:
-    """A submitit job that finishes after ``polls`` calls of done()."""
+    """A submitit job of a group of points that finishes after ``polls`` calls of done()."""
 
     running: set = set()
     cancelled: list = []
     peak = 0
 
-    def __init__(self, name: str, polls: int = 3, job_id: str = "1") -> None:
-        self.name, self.polls, self.job_id = name, polls, job_id
-        FakeJob.running.add(name)
+    def __init__(self, names: list[str], polls: int = 3, job_id: str = "1") -> None:
+        self.names, self.polls, self.job_id = names, polls, job_id
+        self.name = " ".join(names)
+        FakeJob.running.add(self.name)
         FakeJob.peak = max(FakeJob.peak, len(FakeJob.running))
 
     def done(self) -> bool:
@@ -146,7 +148,8 @@ class FakeJob:
         return self.polls <= 0
 
     def results(self):
-        return [JobReturn(overrides=[], _return_value=("done", self.name), status=JobStatus.COMPLETED)]
+        return [[JobReturn(overrides=[], _return_value=("done", name), status=JobStatus.COMPLETED)
+                 for name in self.names]]
 
     def cancel(self, check: bool = True) -> None:
         FakeJob.cancelled.append(self.name)
@@ -164,9 +167,9 @@ class FakeExecutor:
     def update_parameters(self, **kwargs) -> None:
         self.parameters.update(kwargs)
 
-    def submit(self, fn, overrides, *args):
+    def submit(self, fn, points, *args):
         FakeExecutor.gpus_seen.append(self.parameters["visible_gpus"])
-        return FakeJob(" ".join(overrides))
+        return FakeJob([" ".join(overrides) for _, overrides in points])
 
 
 @pytest.mark.parametrize(("max_parallel", "peak"), [(None, 1), (2, 2)])
@@ -179,17 +182,18 @@ def test_local_launcher_runs_at_most_max_parallel_points_at_once(max_parallel, p
     monkeypatch.setattr(launchers, "POLL_SECONDS", 0.0)
     FakeJob.running, FakeJob.peak = set(), 0
     launcher = launchers.LocalLauncher(max_parallel=max_parallel, submitit_folder=str(tmp_path / "%j"))
-    monkeypatch.setattr(launcher, "submit_args", lambda i, o, first: (o,))
-    points = [(i, [f"seed={i}"]) for i in range(5)]
-    outcomes = launcher.run_points(points, 0)
-    assert outcomes == {i: ("done", f"seed={i}") for i in range(5)}
+    monkeypatch.setattr(launcher, "job_function", lambda: None)
+    groups = [[(i, [f"seed={i}"])] for i in range(5)] + [[(5, ["method=a"]), (6, ["method=b"])]]  # a fused group
+    outcomes = launcher.run_points(groups, 0)
+    assert outcomes == {**{i: ("done", f"seed={i}") for i in range(5)}, 5: ("done", "method=a"),
+                        6: ("done", "method=b")}
     assert FakeJob.peak == peak
     assert set(FakeExecutor.gpus_seen) == {()}  # no GPU: none pinned
 
 
 def test_ctrl_c_on_the_local_launcher_interrupts_its_points_and_leaves_no_literal_job_folder(tmp_path, monkeypatch):
-    """Issue 24, cases 7 and 8: the running point is passed the Ctrl-C and counted interrupted, the queued
-    ones not run; the empty ".../%j" folder submitit's controller makes is removed."""
+    """Issue 24, cases 7 and 8: the running job is passed the Ctrl-C and its points (a fused group) counted
+    interrupted, the queued ones not run; the empty ".../%j" folder submitit's controller makes is removed."""
     import submitit
     import torch
 
@@ -198,7 +202,7 @@ def test_ctrl_c_on_the_local_launcher_interrupts_its_points_and_leaves_no_litera
     monkeypatch.setattr(launchers, "POLL_SECONDS", 0.0)
     FakeJob.running, FakeJob.cancelled = set(), []
     launcher = launchers.LocalLauncher(submitit_folder=str(tmp_path / "submitit" / "%j"))
-    monkeypatch.setattr(launcher, "submit_args", lambda i, o, first: (o,))
+    monkeypatch.setattr(launcher, "job_function", lambda: None)
     poll = launcher.poll
     calls = []
 
@@ -209,10 +213,11 @@ def test_ctrl_c_on_the_local_launcher_interrupts_its_points_and_leaves_no_litera
         return poll(jobs)
 
     monkeypatch.setattr(launcher, "poll", poll_until_ctrl_c)
-    outcomes = launcher.run_points([(i, [f"seed={i}"]) for i in range(3)], 0)
-    assert outcomes == {0: ("done", "seed=0"), 1: ("interrupted", "Ctrl-C: its run was not published"),
-                        2: ("not run", "")}
-    assert FakeJob.cancelled == ["seed=1"]
+    groups = [[(0, ["seed=0"])], [(1, ["method=a"]), (2, ["method=b"])], [(3, ["seed=3"])]]  # one fused group
+    outcomes = launcher.run_points(groups, 0)
+    interrupted = ("interrupted", "Ctrl-C: its run was not published")
+    assert outcomes == {0: ("done", "seed=0"), 1: interrupted, 2: interrupted, 3: ("not run", "")}
+    assert FakeJob.cancelled == ["method=a method=b"]
     assert [p.name for p in (tmp_path / "submitit").iterdir()] == ["controllers.log"]
 
 
@@ -229,7 +234,8 @@ def test_a_job_controller_writes_its_stderr_to_a_log_not_to_the_terminal(tmp_pat
 @pytest.mark.slow
 def test_ctrl_c_in_a_terminal_on_a_local_sweep(tmp_path):
     """Issue 24, case 7, as a terminal does it: SIGINT to the process group of ``kvbench -m
-    hydra/launcher=local ...`` (the launcher, the job's controller and its run) while a point runs."""
+    hydra/launcher=local ...`` (the launcher, the job's controller and its run) while a point runs (both
+    points, one fused group, in one job)."""
     root, folder = tmp_path / "results", tmp_path / "submitit"
     env = {**os.environ, "PYTHONPATH": pythonpath_with_repo(), "KVBENCH_SUBMITIT_DIR": str(folder)}
     args = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[2048]", "method=h2o,snapkv",
@@ -245,10 +251,10 @@ def test_ctrl_c_in_a_terminal_on_a_local_sweep(tmp_path):
     output, _ = sweep_.communicate(timeout=120)
     assert sweep_.returncode == 130 and "Traceback" not in output, output
     lines = output.strip().splitlines()
-    assert "kvbench sweep: 2 points: 0 done, 0 skipped, 0 failed, 1 interrupted, 1 not run" in lines, output
+    assert "kvbench sweep: 2 points: 0 done, 0 skipped, 0 failed, 2 interrupted" in lines, output  # one fused group
     assert lines[-1] == RESUME
-    [record] = status.run_states(root)
-    assert record["state"] == "interrupted" and record["method"] == "h2o"
+    assert sorted((r["state"], r["method"]) for r in status.run_states(root)) == [("interrupted", "h2o"),
+                                                                                ("interrupted", "snapkv")]
     assert "%j" not in [p.name for p in folder.iterdir()]
 
 
@@ -262,10 +268,10 @@ def test_slurm_point_that_left_the_queue_without_a_result_is_failed(tmp_path, mo
     monkeypatch.setattr(launchers, "LEFT_QUEUE_GRACE_SECONDS", 0.0)
     monkeypatch.setattr(status, "slurm_queue", lambda ids: set())
     launcher = launchers.SlurmLauncher(submitit_folder=str(tmp_path / "%j"))
-    outcome = launcher.poll({0: Gone("p", job_id="7_0")})
+    outcome = launcher.poll({0: Gone(["p"], job_id="7_0")})
     assert outcome[0][0] == "failed" and "SLURM job 7_0 left the queue without a result" in outcome[0][1]
     monkeypatch.setattr(status, "slurm_queue", lambda ids: {"7_0", "8"})
-    assert launcher.poll({0: Gone("p", job_id="7_0")}) == {}  # still queued: keep waiting
+    assert launcher.poll({0: Gone(["p"], job_id="7_0")}) == {}  # still queued: keep waiting
 
 
 def test_summary_counts_and_exit_status(capsys):

@@ -3,13 +3,18 @@
 and failed (exit status 1 when one failed):
 
 * ``sequential`` (the default under ``-m``): every point in this process, one after the other;
-* ``local``: one process per point (submitit's local executor), at most ``max_parallel`` at once (default
-  one per visible GPU, one on a machine without GPUs: timings of points sharing a device mean nothing);
-* ``slurm``: one SLURM array job (submitit), ``array_parallelism`` points at once.
+* ``local``: one process per point or fused group (submitit's local executor), at most ``max_parallel`` at
+  once (default one per visible GPU, one on a machine without GPUs: timings of points sharing a device mean
+  nothing);
+* ``slurm``: one SLURM array job (submitit), one task per point or fused group, ``array_parallelism`` at once.
 
 A point is counted done when its run is published, whatever its job reported afterwards (the results store
 decides, as ``kvbench status`` does). A full disk stops launching points (exit 2); Ctrl-C stops the sweep
 (exit 130): running points are recorded as interrupted, the rest as not run, and the same command resumes.
+
+Points that can share each sample's prompt pass (``kvbench.sweep``) run as one fused group: one run of the
+sequential launcher, one process of the local one, one SLURM array task; ``sweep.fuse=false`` runs every
+point alone; ``sweep.memory_gb`` caps what a group holds in prefilled rows.
 
 The two submitit launchers submit each run once (a budget sweep's full-cache points share one run id) and
 not at all when it has finished, and they stop waiting for a point whose job left the SLURM queue without
@@ -31,8 +36,9 @@ from typing import Sequence
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+from hydra_plugins.kvbench_launchers import fused
 
 log = logging.getLogger("kvbench")
 POLL_SECONDS = 2.0
@@ -110,47 +116,66 @@ def settle(launcher, job_overrides: Sequence[Sequence[str]], outcomes: list[tupl
 
 
 class SequentialLauncher(BasicLauncher):
-    """Hydra's basic launcher (points run in this process, in order), one point at a time so that a full disk
-    or Ctrl-C stops the sweep with its summary."""
+    """Hydra's basic launcher (points run in this process, in order), one group of points at a time (a fused
+    group runs together) so that a full disk or Ctrl-C stops the sweep with its summary."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from kvbench.errors import disk_full, disk_full_line
 
-        since, returns, outcomes = time.time(), [], []
+        setup_globals()
+        since = time.time()
+        returns: list[JobReturn | None] = [None] * len(job_overrides)
+        outcomes: list[tuple[str, str] | None] = [None] * len(job_overrides)
+        group: list[int] = []
         try:
-            for index, overrides in enumerate(job_overrides):
-                returns += super().launch([overrides], initial_job_idx + index)
-                outcomes.append(outcome(returns[-1]))
-                if disk_full_detail(outcomes[-1]):
+            for group in fused.groups(self.hydra_context, self.config, job_overrides, list(range(len(job_overrides)))):
+                for i, job_return in zip(group, self.launch_group(job_overrides, group, initial_job_idx)):
+                    returns[i], outcomes[i] = job_return, outcome(job_return)
+                if any(disk_full_detail(outcomes[i]) for i in group):
                     break
         except KeyboardInterrupt:
-            outcomes.append(("interrupted", "Ctrl-C: its run was not published"))
+            for i in group:
+                outcomes[i] = outcomes[i] or ("interrupted", "Ctrl-C: its run was not published")
         except Exception as err:  # noqa: BLE001 - Hydra's own writes (the job's .hydra/ files) on a full disk
             full = disk_full(err)
             if full is None:
                 raise
-            outcomes.append(("failed", disk_full_line(full)))
-        outcomes += [("not run", "")] * (len(job_overrides) - len(outcomes))
+            for i in group:
+                outcomes[i] = outcomes[i] or ("failed", disk_full_line(full))
+        outcomes = [o or ("not run", "") for o in outcomes]
         summarize(job_overrides, settle(self, job_overrides, outcomes, since))
-        return returns
+        return [r for r in returns if r is not None]
+
+    def launch_group(self, job_overrides: Sequence[Sequence[str]], group: list[int],
+                     initial_job_idx: int) -> Sequence[JobReturn]:
+        """Run the points ``group`` (indices into ``job_overrides``): one point as Hydra's basic launcher runs it,
+        several as one fused group (``fused.run_group``)."""
+        if len(group) == 1:
+            return super().launch([job_overrides[group[0]]], initial_job_idx + group[0])
+        return fused.run_group(self.hydra_context, self.config,
+                               [(initial_job_idx + i, list(job_overrides[i])) for i in group])
 
 
 class _SubmititLauncher(BaseSubmititLauncher):
-    """The submitit launcher's job function and resources, with kvbench's planning, waiting and summary."""
+    """The submitit launcher's resources, with kvbench's planning, waiting and summary. Every job runs a group
+    of points (``fused.GroupJob``; one point when it shares its prompt passes with none)."""
 
     def __init__(self, **params) -> None:
         super().__init__(**params)
-        self.left_queue: dict[int, float] = {}  # point -> when its job was first seen gone from the queue
+        self.left_queue: dict[int, float] = {}  # job (its first point) -> when first seen gone from the queue
+        self.members: dict[int, list[int]] = {}  # job (its first point) -> every point it runs
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         since = time.time()
         outcomes = self.plan(job_overrides)
-        todo = [(i, list(o)) for i, o in enumerate(job_overrides) if i not in outcomes]
+        todo = [i for i in range(len(job_overrides)) if i not in outcomes]
         if todo:
             folder = Path(str(self.params["submitit_folder"])).parent
             folder.mkdir(parents=True, exist_ok=True)
             folder.chmod(0o700)  # the pickles in it are code our jobs run
-            outcomes.update(self.run_points(todo, initial_job_idx))
+            groups = fused.groups(self.hydra_context, self.config, job_overrides, todo)
+            outcomes.update(self.run_points([[(i, list(job_overrides[i])) for i in group] for group in groups],
+                                            initial_job_idx))
         ordered = settle(self, job_overrides, [outcomes[i] for i in range(len(job_overrides))], since)
         summarize(job_overrides, ordered)
         return [JobReturn(overrides=list(o), _return_value=v, status=JobStatus.COMPLETED)
@@ -177,39 +202,49 @@ class _SubmititLauncher(BaseSubmititLauncher):
             store.update_tables(root, only_if_stale=True)
         return outcomes
 
-    def submit_args(self, index: int, overrides: list[str], initial_job_idx: int) -> tuple:
-        number = initial_job_idx + index
-        log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
-        return overrides, "hydra.sweep.dir", number, f"job_id_for_{number}", Singleton.get_state()
+    def job_function(self) -> fused.GroupJob:
+        return fused.GroupJob(self.hydra_context, self.config)
+
+    def submit_args(self, group: list[tuple[int, list[str]]], initial_job_idx: int) -> tuple:
+        """The job function's arguments for a group of (point, overrides); registers the job's points."""
+        numbered = [(initial_job_idx + index, overrides) for index, overrides in group]
+        for number, overrides in numbered:
+            log.info("\t#%d : %s", number, " ".join(filter_overrides(overrides)))
+        self.members[group[0][0]] = [index for index, _ in group]
+        return numbered, Singleton.get_state()
 
     def poll(self, jobs: dict[int, object]) -> dict[int, tuple[str, str]]:
-        """Outcomes of the jobs that have finished, or left the SLURM queue without a result, since the
-        last poll (without waiting)."""
+        """Outcomes of the points whose jobs have finished, or left the SLURM queue without a result, since the
+        last poll (without waiting). ``jobs``: job by its first point."""
         from kvbench.status import slurm_queue
 
         queued = slurm_queue([j.job_id for j in jobs.values()]) if self._EXECUTOR == "slurm" else None
         outcomes = {}
-        for index, job in jobs.items():
+        for first, job in jobs.items():
+            members = self.members.get(first, [first])
             if job.done():
-                outcomes[index] = self.job_outcome(job)
+                outcomes.update(zip(members, self.job_outcomes(job, len(members))))
             elif queued is not None and job.job_id not in queued:
-                first_missed = self.left_queue.setdefault(index, time.monotonic())
+                first_missed = self.left_queue.setdefault(first, time.monotonic())
                 if time.monotonic() - first_missed >= LEFT_QUEUE_GRACE_SECONDS:
-                    outcomes[index] = ("failed", f"SLURM job {job.job_id} left the queue without a result "
-                                                 f"(cancelled or killed); its log: {job.paths.stderr}")
+                    outcomes.update((index, ("failed", f"SLURM job {job.job_id} left the queue without a result "
+                                                       f"(cancelled or killed); its log: {job.paths.stderr}"))
+                                    for index in members)
         return outcomes
 
     @staticmethod
-    def job_outcome(job) -> tuple[str, str]:
+    def job_outcomes(job, points: int) -> list[tuple[str, str]]:
+        """The outcome of each of the job's ``points``."""
         try:
-            return outcome(job.results()[0])
+            return [outcome(job_return) for job_return in job.results()[0]]
         except Exception as err:  # noqa: BLE001 - the job's own exception, or submitit's "job failed"
-            return "failed", f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+            text = str(err).strip()
+            return [("failed", f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}")] * points
 
 
 class LocalLauncher(_SubmititLauncher):
-    """One process per point on this machine, at most ``max_parallel`` at once, each pinned to a GPU of its
-    own while there are enough."""
+    """One process per point or fused group on this machine, at most ``max_parallel`` at once, each pinned to
+    a GPU of its own while there are enough."""
 
     _EXECUTOR = "local"
 
@@ -217,7 +252,7 @@ class LocalLauncher(_SubmititLauncher):
         super().__init__(**params)
         self.max_parallel = max_parallel
 
-    def run_points(self, points: list[tuple[int, list[str]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
+    def run_points(self, groups: list[list[tuple[int, list[str]]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
         import submitit
         import torch
 
@@ -230,27 +265,28 @@ class LocalLauncher(_SubmititLauncher):
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"])
         free = list(range(gpus))
         pinned: dict[int, int] = {}
-        jobs: dict[int, object] = {}
-        queue = list(points)
+        jobs: dict[int, object] = {}  # by the group's first point
+        queue = list(groups)
         outcomes: dict[int, tuple[str, str]] = {}
-        log.info("kvbench local launcher: %d points, at most %d at once (%d GPUs)", len(points), limit, gpus)
+        log.info("kvbench local launcher: %d jobs, at most %d at once (%d GPUs)", len(groups), limit, gpus)
         try:
             while (queue and not any(map(disk_full_detail, outcomes.values()))) or jobs:
                 while queue and len(jobs) < limit and not any(map(disk_full_detail, outcomes.values())):
-                    index, overrides = queue.pop(0)
+                    group = queue.pop(0)
+                    first = group[0][0]
                     gpu = free.pop(0) if free else None
                     if gpu is not None:
-                        pinned[index] = gpu
+                        pinned[first] = gpu
                     executor.update_parameters(timeout_min=self.params.get("timeout_min", 240),
                                                gpus_per_node=0 if gpu is None else 1,
                                                visible_gpus=() if gpu is None else (gpu,))
                     with self.controller_stderr():
-                        jobs[index] = executor.submit(self, *self.submit_args(index, overrides, initial_job_idx))
+                        jobs[first] = executor.submit(self.job_function(), *self.submit_args(group, initial_job_idx))
                 finished = self.poll(jobs)
-                for index in finished:
-                    del jobs[index]
-                    if index in pinned:
-                        free.append(pinned.pop(index))
+                for first in [first for first in jobs if first in finished]:
+                    del jobs[first]
+                    if first in pinned:
+                        free.append(pinned.pop(first))
                 outcomes.update(finished)
                 if not finished:
                     time.sleep(POLL_SECONDS)
@@ -258,7 +294,7 @@ class LocalLauncher(_SubmititLauncher):
             outcomes.update(self.interrupt(jobs))
         finally:
             self.remove_literal_job_folder()
-        outcomes.update({index: ("not run", "") for index, _ in queue})
+        outcomes.update({index: ("not run", "") for group in queue for index, _ in group})
         return outcomes
 
     def interrupt(self, jobs: dict[int, object]) -> dict[int, tuple[str, str]]:
@@ -269,7 +305,8 @@ class LocalLauncher(_SubmititLauncher):
         deadline = time.monotonic() + INTERRUPT_GRACE_SECONDS
         while any(not job.done() for job in jobs.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        return {index: ("interrupted", "Ctrl-C: its run was not published") for index in jobs}
+        return {index: ("interrupted", "Ctrl-C: its run was not published")
+                for first in jobs for index in self.members.get(first, [first])}
 
     @contextmanager
     def controller_stderr(self):
@@ -295,11 +332,11 @@ class LocalLauncher(_SubmititLauncher):
 
 
 class SlurmLauncher(_SubmititLauncher):
-    """One SLURM array job of the points (``array_parallelism`` at once)."""
+    """One SLURM array job, one task per group of points (``array_parallelism`` at once)."""
 
     _EXECUTOR = "slurm"
 
-    def run_points(self, points: list[tuple[int, list[str]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
+    def run_points(self, groups: list[list[tuple[int, list[str]]]], initial_job_idx: int) -> dict[int, tuple[str, str]]:
         import submitit
 
         params = dict(self.params)
@@ -308,18 +345,18 @@ class SlurmLauncher(_SubmititLauncher):
         generic = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
                    "stderr_to_stdout"}
         executor.update_parameters(**{k if k in generic else f"slurm_{k}": v for k, v in params.items()})
-        args = [self.submit_args(index, overrides, initial_job_idx) for index, overrides in points]
-        jobs = dict(zip((index for index, _ in points), executor.map_array(self, *zip(*args))))
+        args = [self.submit_args(group, initial_job_idx) for group in groups]
+        jobs = dict(zip((group[0][0] for group in groups), executor.map_array(self.job_function(), *zip(*args))))
         outcomes: dict[int, tuple[str, str]] = {}
         try:
             while jobs:
                 finished = self.poll(jobs)
-                for index in finished:
-                    del jobs[index]
+                for first in [first for first in jobs if first in finished]:
+                    del jobs[first]
                 outcomes.update(finished)
                 if jobs:
                     time.sleep(POLL_SECONDS)
         except KeyboardInterrupt:  # the jobs are the cluster's: they go on, and kvbench status follows them
             outcomes.update({index: ("still running", f"SLURM job {job.job_id}; `scancel {job.job_id}` stops it")
-                             for index, job in jobs.items()})
+                             for first, job in jobs.items() for index in self.members.get(first, [first])})
         return outcomes

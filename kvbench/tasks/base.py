@@ -7,6 +7,7 @@ score is not the mean of per-sample values). Tasks that are not greedy generatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -65,10 +66,47 @@ def encode_parts(lm: "LanguageModel", head: str, tail: str, templated: bool) -> 
     return lm.encode_prompt(before, templated=True), lm.encode(after, add_special_tokens=False)
 
 
+@dataclass
+class GenerationCall:
+    """Samples of a batch that decode with the same settings: one ``Engine.generate`` call (``indices`` into
+    the batch; ``contexts`` and ``suffixes`` theirs, in that order)."""
+
+    indices: list[int]
+    contexts: list[list[int]]
+    suffixes: list[list[int]] | None
+    max_new_tokens: int
+    stop_token_ids: set[int]
+    min_new_tokens: int
+    stop_when: Callable[[list[int]], bool] | None
+
+    def generate(self, engine: "Engine") -> list:
+        return engine.generate(self.contexts, max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                               suffixes=self.suffixes, min_new_tokens=self.min_new_tokens, stop_when=self.stop_when)
+
+
+def generation_calls(prompts: list[Prompt], lm: "LanguageModel") -> list[GenerationCall]:
+    """The engine calls of a batch's prompts: one per identical decoding setup."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        key = (p.max_new_tokens, frozenset(p.stop_token_ids), tuple(p.stop_strings), p.min_new_tokens,
+               p.suffix_ids is None)
+        groups.setdefault(key, []).append(i)
+    return [GenerationCall(indices=idx, contexts=[prompts[i].context_ids for i in idx],
+                           suffixes=None if no_suffix else [prompts[i].suffix_ids for i in idx],
+                           max_new_tokens=max_new, stop_token_ids=set(stops) | lm.eos_token_ids,
+                           min_new_tokens=min_new, stop_when=stop_string_check(lm, stop_strings))
+            for (max_new, stops, stop_strings, min_new, no_suffix), idx in groups.items()]
+
+
 class Task:
-    """Base class. Subclasses are configured by Hydra (``conf/task/<name>.yaml``)."""
+    """Base class. Subclasses are configured by Hydra (``conf/task/<name>.yaml``).
+
+    shares_prompt_pass: the task generates through ``generation_calls`` and ``result_rows`` (``predict``'s
+    default), so the points of a sweep may share each sample's prompt pass (``kvbench.sweep``). A task that
+    overrides ``predict`` runs its own engine passes: it sets False."""
 
     name: ClassVar[str] = "base"
+    shares_prompt_pass: ClassVar[bool] = True
     # True: ``predict`` runs its samples as one batch in lockstep, so the runner hands it ``batch_size`` samples
     # at a time (and batch_size=auto is refused); False: every sample at once, the engine batching them.
     lockstep_batches: ClassVar[bool] = False
@@ -121,22 +159,15 @@ class Task:
     def predict(self, samples: list[Sample], lm: "LanguageModel", engine: "Engine") -> list[dict]:
         """Generate greedily for a batch of samples; one result row per sample."""
         prompts = [self.build_prompt(s, lm) for s in samples]
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(prompts):  # one engine call per identical decoding setup
-            key = (p.max_new_tokens, frozenset(p.stop_token_ids), tuple(p.stop_strings), p.min_new_tokens,
-                   p.suffix_ids is None)
-            groups.setdefault(key, []).append(i)
+        calls = generation_calls(prompts, lm)
+        return self.result_rows(samples, prompts, calls, [call.generate(engine) for call in calls], lm)
+
+    def result_rows(self, samples: list[Sample], prompts: list[Prompt], calls: list[GenerationCall],
+                    generations: list[list], lm: "LanguageModel") -> list[dict]:
+        """The scored row of every sample of a batch from its calls' ``Generation``s (one list per call)."""
         rows: list[dict | None] = [None] * len(samples)
-        for (max_new, stops, stop_strings, min_new, no_suffix), idx in groups.items():
-            gens = engine.generate(
-                [prompts[i].context_ids for i in idx],
-                max_new_tokens=max_new,
-                stop_token_ids=set(stops) | lm.eos_token_ids,
-                suffixes=None if no_suffix else [prompts[i].suffix_ids for i in idx],
-                min_new_tokens=min_new,
-                stop_when=stop_string_check(lm, stop_strings),
-            )
-            for i, gen in zip(idx, gens):
+        for call, gens in zip(calls, generations):
+            for i, gen in zip(call.indices, gens):
                 sample = samples[i]
                 text = self.postprocess(lm.decode(gen.tokens), sample)
                 row = {

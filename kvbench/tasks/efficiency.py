@@ -71,6 +71,7 @@ GIB = 2**30
 @dataclass
 class Efficiency(Task):
     name: ClassVar[str] = "efficiency"
+    shares_prompt_pass: ClassVar[bool] = False  # its timings are the measurement: never fused
     measure: str = "latency"
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     new_tokens: int = 32

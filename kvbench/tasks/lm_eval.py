@@ -58,6 +58,7 @@ class LMEval(Task):
     """See the module docstring; every field mirrors the lm-eval option of the same meaning."""
 
     name: ClassVar[str] = "lm_eval"
+    shares_prompt_pass: ClassVar[bool] = False  # lm-eval requests run their own engine passes
     tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
     mode: str = "official"
     source: str = "hub"

@@ -62,6 +62,7 @@ class PG19(Task):
     """Perplexity task; see the module docstring for every protocol switch."""
 
     name: ClassVar[str] = "pg19"
+    shares_prompt_pass: ClassVar[bool] = False  # streams documents through its own engine passes
     lockstep_batches: ClassVar[bool] = True
     source: str = "hub"
     data_dir: str | None = None
