@@ -16,7 +16,7 @@ its unpublished points run again one by one. A full disk stops the group (its un
 run), and Ctrl-C records its unpublished points as interrupted, as for points run alone.
 
 Memory: a point holds ``batch_size`` rows at most; the slots shrink to what the memory budget (``sweep.memory_gb``)
-holds for every point, and when one slot of every point does not fit, the points are split into chunks, each
+holds for every point, a row counted twice (its prefilled copy waits beside the slot it is copied into), and when one slot of every point does not fit, the points are split into chunks, each
 with its own prompt passes.
 Timings: a fused row's time to first token is the whole shared pass plus the point's own compression and
 suffix, its decode time its share of steps that carried every point's rows; its run's wall time is the group's;
@@ -49,7 +49,9 @@ from kvbench.tasks.base import GenerationCall, generation_calls
 
 log = logging.getLogger("kvbench")
 POINT_KEYS = ("method", "budget")  # what the points of one group may differ in
-AUTO_MEMORY_SHARE = 0.5  # memory budget when none is set: this share of the device's free memory
+AUTO_MEMORY_SHARE = 0.8  # memory budget when none is set: this share of the device's free memory (the rest:
+# activations of the prompt pass, graph pools)
+HELD_TWICE = 2  # a row is held twice while it is placed: its prefilled copy and its slot in the batch storage
 
 
 def alone_because(cfg: DictConfig) -> str | None:
@@ -226,7 +228,7 @@ def fused_generate(engines: list[Engine], call: GenerationCall, batch_size: int 
     chunk decoding through one ``DecodeBatch``. Returns per engine its ``Generation``s (the call's order), or the
     error of an engine that failed; ``finished`` is called as each row finishes."""
     generations: list = [None] * len(engines)
-    sizes = [_row_bytes(engine, call) for engine in engines]
+    sizes = [HELD_TWICE * _row_bytes(engine, call) for engine in engines]
     with PeakMemory(engines[0].device, baseline=engines[0].weight_bytes) as peak:
         for chunk in _chunks(sizes, memory):
             slots = _slots(batch_size, len(set(map(tuple, call.contexts))), sum(sizes[i] for i in chunk), memory,
