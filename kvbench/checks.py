@@ -58,7 +58,7 @@ def check_top_level(cfg: DictConfig) -> None:
     _expect("sweep.fuse", cfg.sweep.fuse, bool)
     _expect("sweep.memory_gb", cfg.sweep.memory_gb, float | None)
     if cfg.sweep.memory_gb is not None and cfg.sweep.memory_gb <= 0:
-        raise ConfigError(f"sweep.memory_gb={cfg.sweep.memory_gb} must be > 0 GiB, or null for half the free memory")
+        raise ConfigError(f"sweep.memory_gb={cfg.sweep.memory_gb} must be > 0 GiB, or null for 0.8 of the free memory")
 
 
 def fields_of(group: str, node: DictConfig) -> tuple[type, dict[str, object]]:
