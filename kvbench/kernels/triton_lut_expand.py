@@ -22,23 +22,6 @@ FOLD_BLOCK = 1024  # entries per program of the fold
 
 
 @triton.jit
-def _write_entries(ok_ptr, ov_ptr, opos_ptr, oslot_ptr, row, C, D, DV, dest, inside, key, value, position, source,
-                   d, dv, in_d, in_dv):
-    """Store a tile of view entries at their destinations. Each branch of ``_lut_expand`` stores its own tile:
-    tensors merged after a runtime branch break Triton 3.6's layout pass ('arith.select' layout mismatch)."""
-    # the key and value rows' destinations as (BLOCK, 1) tensors of their own: one destination vector feeding
-    # both 2D stores and the 1D ones makes Triton 3.6's layout pass emit a mislaid select
-    dest_key = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_D), tl.int64)
-    dest_value = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_DV), tl.int64)
-    tl.store(ok_ptr + (row * C + dest_key) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
-             mask=inside[:, None] & in_d)
-    tl.store(ov_ptr + (row * C + dest_value) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
-             mask=inside[:, None] & in_dv)
-    tl.store(opos_ptr + row * C + dest, position, mask=inside)
-    tl.store(oslot_ptr + row * C + dest, source, mask=inside)
-
-
-@triton.jit
 def _lut_expand(
     k_ptr, v_ptr, pos_ptr, len_ptr, slot_ptr, cum_ptr, live_ptr, mdest_ptr, lpos_ptr, lnorm_ptr, mk_ptr,
     ok_ptr, ov_ptr, opos_ptr, oslot_ptr, olen_ptr,
@@ -48,8 +31,8 @@ def _lut_expand(
     BLOCK_DV: tl.constexpr,
 ):
     """One tile of the view: stored slots (``MEMBERS`` false: grid (rows, T tiles)) or look-up-table entries
-    (grid (rows, E tiles)). Two launches rather than a runtime branch on the tile: Triton 3.6 mislays the
-    masks of such a branch ('arith.select' layout mismatch)."""
+    (grid (rows, E tiles)): two launches of one kernel, the branch resolved at compile time, so that neither
+    variant carries the other's tensors through a runtime branch."""
     row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64 offsets: large batches pass 2^31 elements
     b, h = row // H, row % H
     C = T + E
@@ -91,13 +74,9 @@ def _lut_expand(
         value = tl.load(v_ptr + b * svb + h * svh + source[:, None] * svt + dv[None, :] * svd,
                         mask=real[:, None] & in_dv, other=0.0)
         position = tl.load(lpos_ptr + row * E + j, mask=real, other=-1)
-    # the key and value rows' destinations as (BLOCK, 1) tensors of their own: one destination vector feeding
-    # both 2D stores and the 1D ones makes Triton 3.6's layout pass emit a mislaid select
-    dest_key = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_D), tl.int64)
-    dest_value = tl.expand_dims(dest, 1) + tl.zeros((1, BLOCK_DV), tl.int64)
-    tl.store(ok_ptr + (row * C + dest_key) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
+    tl.store(ok_ptr + (row * C + dest[:, None]) * D + d[None, :], key.to(ok_ptr.dtype.element_ty),
              mask=inside[:, None] & in_d)
-    tl.store(ov_ptr + (row * C + dest_value) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
+    tl.store(ov_ptr + (row * C + dest[:, None]) * DV + dv[None, :], value.to(ov_ptr.dtype.element_ty),
              mask=inside[:, None] & in_dv)
     tl.store(opos_ptr + row * C + dest, position, mask=inside)
     tl.store(oslot_ptr + row * C + dest, source, mask=inside)

@@ -26,8 +26,14 @@ if MODE == "cuda":
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.conftest import pythonpath_with_repo  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (atol, rtol) on outputs stored in the input dtype: both backends compute in float32 and round once when
@@ -97,3 +103,14 @@ def dtype(request):
 def output_tolerance(dtype) -> dict:
     atol, rtol = OUTPUT_TOLERANCE[dtype]
     return {"atol": atol, "rtol": rtol}
+
+
+def compile_for_sm90(script: str) -> str:
+    """Run ``tests/kernels/<script>`` (it compiles kernels to sm_90 PTX and cubin, no GPU needed) in a process
+    without TRITON_INTERPRET, where the compiler refuses what the interpreter accepts; its stdout."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath_with_repo()}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -9,11 +9,7 @@ rounding: it is a cosine), keys and values up to one rounding of the storage dty
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +21,7 @@ from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_s
                              triton_ems_step, triton_observe, triton_weightedkv_step, weightedkv_step)
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kv import AttentionStats, LayerKV
-from tests.conftest import pythonpath_with_repo
-from tests.kernels.conftest import MODE
+from tests.kernels.conftest import MODE, compile_for_sm90
 from tests.test_decode_paths import CASES, build, compare_under_random_attention
 
 # (B, H, C, D): one slot, block-size multiples +- 1, head dims 64 and 128, rows split into several blocks
@@ -329,9 +324,4 @@ def test_triton_in_place_keeps_what_compress_keeps(name):
 def test_kernels_compile_for_the_gpu():
     """The interpreter runs code the Triton compiler refuses: compile every fused step's variants to sm_90
     PTX and cubin (no GPU needed; tests/kernels/ptx_check.py) in a process without TRITON_INTERPRET."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath_with_repo()}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("ptx_check.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "kernel variants compiled" in done.stdout
+    assert "kernel variants compiled" in compile_for_sm90("ptx_check.py")

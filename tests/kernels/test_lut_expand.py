@@ -5,18 +5,13 @@ compiled for sm_90 without a GPU (``ptx_check_lut.py``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kernels.lut_expand import expand_lut, fold_entries
-from tests.conftest import pythonpath_with_repo
-from tests.kernels.conftest import OUTPUT_TOLERANCE
+from tests.kernels.conftest import OUTPUT_TOLERANCE, compile_for_sm90
 
 SHAPES = [  # B, H, T, E, D, D_v
     (1, 1, 1, 1, 4, 4),
@@ -86,9 +81,4 @@ def test_fold_entries_triton_matches_torch(shape, group):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in KVBENCH_KERNEL_TESTS=cuda")
 def test_lut_kernels_compile_for_the_gpu():
     """Every variant of both kernels compiles to sm_90 in a process without TRITON_INTERPRET (``ptx_check_lut.py``)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath_with_repo()}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("ptx_check_lut.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "5 kernel variants compiled" in done.stdout
+    assert "5 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
