@@ -13,6 +13,8 @@ the CPU, alike for every system a benchmark compares; blocks must not nest (one 
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -58,3 +60,12 @@ class PeakMemory:
         records = (e for e in self._profiler.profiler.kineto_results.events() if e.name() == MEMORY_RECORD)
         self.bytes = self.baseline + peak_growth(records)
         self._profiler = None
+
+
+def release_memory() -> None:
+    """Free what dropped objects still hold: reference cycles (an exception's frames keep a failed run's model
+    and caches) collected, then the CUDA allocator's cached blocks returned, so the next run loads into free
+    memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -40,7 +40,7 @@ from kvbench import models, status, store
 from kvbench.attention import attach
 from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest
 from kvbench.engine import Engine, Generation, _sync
-from kvbench.memory import PeakMemory
+from kvbench.memory import PeakMemory, release_memory
 from kvbench.errors import disk_full, disk_full_line
 from kvbench.runner import (FULL, Point, announce, build_engine, build_method, build_task, execute, load_samples,
                             mark_ended, open_point, prepare, progress_bar, publish, result_config)
@@ -97,17 +97,21 @@ def run_group(points: list[tuple[DictConfig, Path | None, list[str] | None]],
     published: dict[str, Path] = {}
     failures: dict[str, Exception] = {}
     if len(opened) > 1:
+        group_failed = False
         try:
             _run_fused([point for _, point in opened], memory_gb, published, failures)
         except Exception:  # noqa: BLE001 - every point not yet published runs alone: only the culprit fails
             log.exception("fused group of %d points failed; its unpublished points run one by one", len(opened))
             failures.clear()
+            group_failed = True
         except BaseException as err:
             with status.sigint_held():  # a local sweep's Ctrl-C reaches a run twice (terminal, job controller)
                 for _, point in opened:
                     if point.rid not in published:
                         mark_ended(point, err)
             raise
+        if group_failed:  # out of the handler: the group's model and caches, held by its traceback, can go
+            release_memory()
     disk_is_full = False
     for index, point in opened:
         if disk_is_full and point.rid not in published:

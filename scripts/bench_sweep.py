@@ -25,18 +25,17 @@ the 36-point sweep (12 methods x 0.2, 0.35, 0.5); in-run TPOT at batch 8 / batch
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pandas as pd
-import torch
 from omegaconf import OmegaConf, open_dict
 
 from kvbench import models, runner, store, sweep
 from kvbench.__main__ import composed_points, quote_numeric_choices
+from kvbench.memory import release_memory
 from kvbench.tasks.base import generation_calls
 from scripts.bench_decode_loop import in_run_tpot
 
@@ -61,19 +60,12 @@ def outputs(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return predictions, metrics
 
 
-def released() -> None:
-    """Drop what the last run left (its model), so that the next one loads into free memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def warm_up(cfgs: list, overrides: list[str], root: Path) -> None:
     """Untimed: the first point alone on one batch of samples, then the group on one sample, so that the timed
     runs find their decode steps compiled (``engine.compile``: a second batch size makes it dynamic)."""
     batch = cfgs[0].batch_size if isinstance(cfgs[0].batch_size, int) else 1
     runner.run(OmegaConf.merge(cfgs[0], {"limit": batch, "results_root": str(root / "alone")}))
-    released()
+    release_memory()
     if len(cfgs) > 1:
         run_fused([*(o for o in overrides if not o.startswith("limit=")), "limit=1"], root / "fused")
 
@@ -81,7 +73,7 @@ def warm_up(cfgs: list, overrides: list[str], root: Path) -> None:
 def run_fused(overrides: list[str], root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     group = [(cfg, None, None) for cfg in points(overrides, root)]
     outcomes = sweep.run_group(group, memory_gb=group[0][0].sweep.memory_gb)
-    released()
+    release_memory()
     failed = [detail for state, detail in outcomes if state == "failed"]
     if failed:
         sys.exit("fused group: failed points:\n  " + "\n  ".join(failed))
@@ -100,7 +92,7 @@ def batch_one_tpot(cfgs: list) -> dict[str, float]:
         label = runner.run_labels(point)
         tpots[f"{label['method']} {label['budget']}"] = in_run_tpot(engine, call.contexts, call.max_new_tokens, 1)
     del lm, engine
-    released()
+    release_memory()
     return tpots
 
 
@@ -119,7 +111,7 @@ def main(argv: list[str]) -> int:
             for cfg in cfgs:
                 if args.alone == "all" or runner.method_name(cfg) in args.alone.split(","):
                     runner.run(cfg)
-                    released()
+                    release_memory()
             alone = outputs(tmp / "alone") if (tmp / "alone" / "metrics.parquet").exists() else None
             fused = run_fused(overrides, tmp / "fused")
         report(overrides, alone, fused, complete=args.alone == "all")
