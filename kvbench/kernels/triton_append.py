@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_slots import block_size
+
 BLOCK_Q = 16  # new tokens per tile
 
 
@@ -54,5 +56,5 @@ def append_slots(new_keys: Tensor, new_values: Tensor, new_positions: Tensor, le
         *keys.stride(), *values.stride(), *positions.stride(), *state_strides,
         H, q, D, DV, S,
         BLOCK_Q=BLOCK_Q, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(DV),
-        BLOCK_S=max(2, triton.next_power_of_2(S)),
+        BLOCK_S=block_size(S),
     )
