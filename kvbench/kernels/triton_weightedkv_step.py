@@ -91,9 +91,10 @@ def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Te
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, accumulated, observed)
     S, DV = state.shape[0], values.shape[-1]
+    block_c = scan_tile(C, BLOCK_C)
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, accumulated, observed,
                            n_keep.to(lengths).contiguous(), H, C, D, DV, S, B * H * C, sinks,
                            0 if recent is None else recent, DERIVED_RECENT=recent is None,
-                           ONE_TILE=C <= scan_tile(C, BLOCK_C), BLOCK_C=scan_tile(C, BLOCK_C),
+                           ONE_TILE=C <= block_c, BLOCK_C=block_c,
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)
