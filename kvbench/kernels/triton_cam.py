@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_cam_step import uniform_draw
+from kvbench.kernels.triton_cam_step import merge_probability, uniform_draw
 
 BLOCK_T = 256
 
@@ -34,10 +34,7 @@ def _merge_shares(
         total += tl.load(att_ptr + base + slots + offset, mask=slots + offset < length, other=0.0)
     count = tl.minimum(tl.maximum(length - 1 - slots, 0), N)
     score = tl.load(att_ptr + base + slots, mask=in_row, other=0.0)
-    mean = tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32))
-    tiny = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
-    ratio = tl.where(mean > 0, tl.math.div_rn(score, tl.maximum(mean, tiny)), (score > 0).to(tl.float32))
-    prob = tl.where(count > 0, tl.minimum(tl.maximum(ratio, 0.0), 1.0), 0.0)
+    prob = merge_probability(score, total, count)
     evicted = tl.load(evicted_ptr + base + slots, mask=in_row, other=0) != 0
     prob = tl.where(evicted, prob, 0.0)
     if DETERMINISTIC:

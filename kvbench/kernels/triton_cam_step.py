@@ -46,6 +46,14 @@ def uniform_draw(key, head, position, step):
 
 
 @triton.jit
+def merge_probability(score, total, count):
+    """cam_step.merge_probability (a slot or a tile of slots), IEEE-rounded divisions: bit for bit."""
+    mean = tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32))
+    ratio = tl.where(mean > 0, tl.math.div_rn(score, tl.maximum(mean, FLOAT32_TINY)), (score > 0).to(tl.float32))
+    return tl.where(count > 0, tl.minimum(tl.maximum(ratio, 0.0), 1.0), 0.0)
+
+
+@triton.jit
 def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H, C, D, DV, S, state_stride,
                  SINKS, RATIO_BITS, KEY, N, HEAVY: tl.constexpr, DRAW: tl.constexpr, ONE_TILE: tl.constexpr,
                  BLOCK_C: tl.constexpr,
@@ -84,9 +92,7 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
     total = tl.sum(tl.load(att_ptr + row * C + targets, mask=found, other=0.0), 0)
     count = tl.sum(found.to(tl.int32), 0)
     score = tl.load(att_ptr + row * C + victim)
-    mean = tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32))  # cam_step.merge_probability
-    ratio = tl.where(mean > 0, tl.math.div_rn(score, tl.maximum(mean, FLOAT32_TINY)), (score > 0).to(tl.float32))
-    prob = tl.where(count > 0, tl.minimum(tl.maximum(ratio, 0.0), 1.0), 0.0)
+    prob = merge_probability(score, total, count)
     if DRAW:
         prob = (uniform_draw(KEY, row % H, evicted, newest) < prob).to(tl.float32)
     share = tl.math.div_rn(prob, N + tl.zeros((), tl.float32))
