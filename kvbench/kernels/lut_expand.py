@@ -14,7 +14,7 @@ Returns keys (B, H, C, D) and values (B, H, C, D_v) in the storage dtypes, posit
 slot of every entry (B, H, C) long, and the view's lengths (B, H).
 
 This is the torch reference (gathers, a concatenation and a stable sort that left-aligns the attended
-entries); ``triton_lut_expand`` writes the view in one launch after a cumulative count of the live members.
+entries); ``triton_lut_expand`` writes the view in two launches after a cumulative count of the live members.
 The member keys differ only by how ||source|| is summed: float32 sums in another order, so a stored key of a
 bfloat16 cache may round to the neighbouring bfloat16 (one unit in the last place, 2^-7 relative).
 """
