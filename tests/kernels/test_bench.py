@@ -39,7 +39,8 @@ def test_unknown_operation_is_a_config_error(tmp_path):
 
 
 def test_decode_steps_run_in_the_benchmark(tmp_path):
-    """Each fused decode step runs with both backends; every call removes one slot of every row."""
+    """Each fused decode step runs in the benchmark with both backends (their outputs are compared in
+    test_decode_steps.py)."""
     bench.main(["kernels", "--lengths", "40", "--ops", "cam_step,d2o_step,weightedkv_step,ems_step",
                 "--repeats", "1", "--kv-heads", "2", "--head-dim", "16", "--out", str(tmp_path)])
     rows = pd.read_parquet(tmp_path / "kernels.parquet")
