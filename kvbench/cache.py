@@ -13,7 +13,7 @@ compression call that can change lengths in a data-dependent way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Callable
 
 import numpy as np

@@ -96,10 +96,11 @@ class DeviceTimer:
         return self.host.get(name, 0.0) + sum(s.elapsed_time(e) for s, e in pairs) / 1000
 
     def seconds(self, name: str) -> float:
-        pairs = self.events.pop(name, [])
-        if pairs:
-            pairs[-1][1].synchronize()
-        return self.host.pop(name, 0.0) + sum(s.elapsed_time(e) for s, e in pairs) / 1000
+        """Seconds in ``name`` so far, taken: the next read counts from zero."""
+        total = self.total(name)
+        self.events.pop(name, None)
+        self.host.pop(name, None)
+        return total
 
 
 @dataclass

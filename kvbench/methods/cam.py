@@ -61,7 +61,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.cam_step import cam_step, draw_key, merge_probability, uniform_draws
 from kvbench.kernels.cascade import banded_cascade
 from kvbench.kernels.dispatch import use_triton
-from kvbench.kernels.select import heavy_split, keep_topk, sinks_and_recent, true_first
+from kvbench.kernels.select import heavy_split, keep_topk, sinks_and_recent
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
