@@ -66,10 +66,10 @@ class DecodeGraph:
             self._replay()
             self.flush()
             self.safe = self._safe_replays()
-        elif decisions != self.warm and self._signature(decisions) not in WARMED:
+        elif decisions != self.warm and (signature := self._signature(decisions)) not in WARMED:
             self.body(True)
             self.warm = decisions
-            WARMED.add(self._signature(decisions))
+            WARMED.add(signature)
         else:
             self._capture(decisions)
         return False
