@@ -195,21 +195,25 @@ def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str
                                       lambda: progress.advance(bar)) for call in calls]  # [call][point]
     wall = time.perf_counter() - t0
     group = [point.rid for point in points]
-    for j, point in enumerate(live):  # a point's generations, or its error
-        error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
-        if error is not None:
-            _fail(point, error, failures)
-            continue
-        rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
-        try:
-            written = publish(point, task, rows, wall, len(samples), engines[point.rid], group)
-        except OSError as err:
-            if disk_full(err) is None:
-                raise
-            _fail(point, err, failures)
-            return  # a full disk: the points after it are not run (``run_group``)
-        published[point.rid] = written[0]
-        announce(point, *written)
+    try:
+        for j, point in enumerate(live):  # a point's generations, or its error
+            error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
+            if error is not None:
+                _fail(point, error, failures)
+                continue
+            rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
+            try:
+                written = publish(point, task, rows, wall, len(samples), engines[point.rid], group)
+            except OSError as err:
+                if disk_full(err) is None:
+                    raise
+                _fail(point, err, failures)
+                return  # a full disk: the points after it are not run (``run_group``)
+            published[point.rid] = written[0]
+            announce(point, *written)
+    finally:
+        if any(point.rid in published for point in live):  # once for the group (``publish`` leaves them)
+            store.update_tables(live[0].root)
 
 
 def _fail(point: Point, err: Exception, failures: dict[str, Exception]) -> None:
