@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from kvbench.errors import INTERRUPTED_EXIT, ConfigError, disk_full, disk_full_line, unknown_name
+from kvbench.errors import INTERRUPTED_EXIT, ConfigError, disk_full, disk_full_line, failed_outcome, unknown_name
 
 log = logging.getLogger("kvbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -158,7 +158,7 @@ def main(cfg: DictConfig) -> tuple[str, str]:
         line = str(err) if full is None else disk_full_line(full, cfg.results_root)
         log.error("kvbench: error: %s", line)
         if hydra.mode == RunMode.MULTIRUN:  # the sweep's summary says it; a SLURM job still returns a result
-            return "failed", f"{type(err).__name__ if full is None else 'DiskFull'}: {line}"
+            return failed_outcome(err, cfg.results_root)
         print(f"kvbench: error: {line}", file=sys.stderr)
         sys.exit(2)
     if run_dir is None:

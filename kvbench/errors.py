@@ -42,6 +42,13 @@ def disk_full_line(err: OSError, root=None) -> str:
             "kept and skipped)")
 
 
+def failed_outcome(err: Exception, root=None) -> tuple[str, str]:
+    """A failed sweep point's outcome for the launchers' summary: its error in one line (a full disk's says
+    what to do, under the results root ``root``)."""
+    full = disk_full(err)
+    return "failed", f"{type(err).__name__}: {err}" if full is None else f"DiskFull: {disk_full_line(full, root)}"
+
+
 def names_disk_full(text: str) -> bool:
     """Whether an error's text (a job's, from another process) says it found no space or quota left."""
     return any(os.strerror(code).lower() in text.lower() for code in DISK_FULL_ERRNOS)

@@ -248,7 +248,8 @@ def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: 
     """Score a run's per-sample rows and write it, as if it had run alone: (run directory, metric rows,
     per-sample rows). ``engine``: the run's (one of a fused group's). ``group``: the run ids of a fused group it
     ran in (``kvbench.sweep``; this one included): its timings were shared with them, so its rows say
-    ``fused_group_size`` and the group's runs do not count as other runs on the device."""
+    ``fused_group_size`` and the group's runs do not count as other runs on the device; the group rebuilds the
+    collected tables once, after its last publication, instead of once per run."""
     cfg, root, rid, labels = point.cfg, point.root, point.rid, point.labels
     budget, device = Budget(cfg.budget.kind, cfg.budget.value), engine.device
     group_size = max(1, len(group))
@@ -293,7 +294,8 @@ def publish(point: Point, task: Task, rows: list[dict], wall: float, n_samples: 
         meta["overrides"] = point.record["overrides"]
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     final = store.write_run(root, rid, config_yaml, predictions, metrics, meta, copy_to=point.hydra_dir,
-                            artifacts=task.artifacts(predictions), replace=not cfg.skip_finished)
+                            artifacts=task.artifacts(predictions), replace=not cfg.skip_finished,
+                            tables=not group)
     status.clear(root, rid)
     return final, metrics, predictions
 

@@ -88,10 +88,12 @@ def _umask() -> int:
 def write_run(
     root: Path, rid: str, config_yaml: str, predictions: pd.DataFrame, metrics: pd.DataFrame, meta: dict,
     copy_to: Path | None = None, artifacts: dict[str, str] | None = None, replace: bool = False,
+    tables: bool = True,
 ) -> Path:
     """Publish a finished run atomically (with the task's extra ``artifacts``: relative path -> text);
     optionally also copy its files into ``copy_to`` (the Hydra run dir). ``replace``: a run already published
-    under ``rid`` is swapped out (kept as ``<rid>.prev``) instead of keeping it and discarding this one."""
+    under ``rid`` is swapped out (kept as ``<rid>.prev``) instead of keeping it and discarding this one.
+    ``tables``: rebuild the collected tables (False: the caller rebuilds them once after several runs)."""
     runs = Path(root) / RUNS
     runs.mkdir(parents=True, exist_ok=True)
     # resolved, so that the artifact guard below compares real paths under a symlinked results root
@@ -132,7 +134,8 @@ def write_run(
         except OSError as err:
             log.warning("run %s is published in %s; its copy in %s is incomplete (%s)", rid, final, copy_to,
                         describe(err))
-    update_tables(root)
+    if tables:
+        update_tables(root)
     return final
 
 

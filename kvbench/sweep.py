@@ -41,7 +41,7 @@ from kvbench.attention import attach
 from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest
 from kvbench.engine import Engine, Generation, _sync
 from kvbench.memory import PeakMemory, release_memory
-from kvbench.errors import disk_full, disk_full_line
+from kvbench.errors import disk_full, failed_outcome
 from kvbench.runner import (FULL, Point, announce, build_engine, build_method, build_task, execute, load_samples,
                             mark_ended, open_point, prepare, progress_bar, publish, result_config)
 from kvbench.shared_prefill import prefill_points
@@ -125,7 +125,7 @@ def run_group(points: list[tuple[DictConfig, Path | None, list[str] | None]],
         except Exception as err:  # noqa: BLE001 - recorded by execute (or the group); the group goes on
             if point.rid not in failures:
                 log.exception("run %s failed", point.rid)
-            outcomes[index] = _failed(err, point.root)
+            outcomes[index] = failed_outcome(err, point.root)
             disk_is_full = disk_full(err) is not None
             continue
         print_metrics(run_dir)
@@ -148,19 +148,13 @@ def _open(points: list[tuple[DictConfig, Path | None, list[str] | None]]) -> tup
         try:
             point = open_point(cfg, hydra_dir, overrides)
         except Exception as err:  # noqa: BLE001 - a bad point fails alone
-            outcomes[index] = _failed(err, cfg.results_root)
+            outcomes[index] = failed_outcome(err, cfg.results_root)
             continue
         if point is None:
             outcomes[index] = ("skipped", "finished before")
         else:
             opened.append((index, point))
     return outcomes, opened
-
-
-def _failed(err: Exception, root) -> tuple[str, str]:
-    """A failed point's outcome: its error in one line (a full disk's says what to do, as for a run alone)."""
-    full = disk_full(err)
-    return "failed", f"{type(err).__name__}: {err}" if full is None else f"DiskFull: {disk_full_line(full, root)}"
 
 
 def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str, Path],
@@ -195,21 +189,25 @@ def _run_fused(points: list[Point], memory_gb: float | None, published: dict[str
                                       lambda: progress.advance(bar)) for call in calls]  # [call][point]
     wall = time.perf_counter() - t0
     group = [point.rid for point in points]
-    for j, point in enumerate(live):  # a point's generations, or its error
-        error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
-        if error is not None:
-            _fail(point, error, failures)
-            continue
-        rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
-        try:
-            written = publish(point, task, rows, wall, len(samples), engines[point.rid], group)
-        except OSError as err:
-            if disk_full(err) is None:
-                raise
-            _fail(point, err, failures)
-            return  # a full disk: the points after it are not run (``run_group``)
-        published[point.rid] = written[0]
-        announce(point, *written)
+    try:
+        for j, point in enumerate(live):  # a point's generations, or its error
+            error = next((g[j] for g in generations if isinstance(g[j], Exception)), None)
+            if error is not None:
+                _fail(point, error, failures)
+                continue
+            rows = task.result_rows(samples, prompts, calls, [g[j] for g in generations], lm)
+            try:
+                written = publish(point, task, rows, wall, len(samples), engines[point.rid], group)
+            except OSError as err:
+                if disk_full(err) is None:
+                    raise
+                _fail(point, err, failures)
+                return  # a full disk: the points after it are not run (``run_group``)
+            published[point.rid] = written[0]
+            announce(point, *written)
+    finally:
+        if any(point.rid in published for point in live):  # once for the group (``publish`` leaves them)
+            store.update_tables(live[0].root)
 
 
 def _fail(point: Point, err: Exception, failures: dict[str, Exception]) -> None:

@@ -190,6 +190,16 @@ def test_repeated_run_ids_run_once(tmp_path):
     assert len(store.finished_runs(tmp_path)) == 2
 
 
+def test_a_group_rebuilds_the_collected_tables_once_with_every_point(tmp_path, monkeypatch):
+    collect, calls = store.collect, []
+    monkeypatch.setattr(store, "collect", lambda root: calls.append(root) or collect(root))
+    cfgs = [point(tmp_path, f"method={name}") for name in ("full", "h2o", "tova")]
+    assert [s for s, _ in sweep.run_group([(cfg, None, None) for cfg in cfgs])] == ["done"] * 3
+    assert len(calls) == 1, "not once per published point"
+    collected = set(pd.read_parquet(tmp_path / "metrics.parquet")["run_id"])
+    assert collected == {store.run_id(runner.result_config(cfg)) for cfg in cfgs}
+
+
 
 # -- through the launchers ------------------------------------------------------------------------------------
 
