@@ -26,6 +26,7 @@ mean over its steps; its decode time is its share of each step (the step's time 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from kvbench.engine import Engine, Generation, Session, _sync
 from kvbench.graphs import DecodeGraph
 from kvbench.hardware import free_memory_bytes
 
+log = logging.getLogger("kvbench")
 CPU_AUTO_BATCH = 8  # batch_size=auto on a CPU: decoding is compute-bound there, a larger batch gains little
 AUTO_MARGIN = 0.05  # batch_size=auto: the share of the device's memory left free (graph pools, fragmentation)
 
@@ -193,6 +195,9 @@ class DecodeBatch:
         """Wait for the steps still running (their tokens are nobody's), release the captured graph and give the
         model its attention implementation back."""
         _sync(self.device)
+        if self.launched:  # why a batch decodes slower than its graph would: eager steps
+            log.info("decode batch of %d points x %d slots: %d steps, %d graph replays", len(self.points), self.slots,
+                     self.launched, self.replays)
         self.records.clear()
         self._drop_runner()
         self.attachment.close()

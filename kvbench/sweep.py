@@ -16,8 +16,11 @@ its unpublished points run again one by one. A full disk stops the group (its un
 run), and Ctrl-C records its unpublished points as interrupted, as for points run alone.
 
 Memory: a point holds ``batch_size`` rows at most; the slots shrink to what the memory budget (``sweep.memory_gb``)
-holds for every point, a row counted twice (its prefilled copy waits beside the slot it is copied into), and when one slot of every point does not fit, the points are split into chunks, each
-with its own prompt passes.
+holds for every point, a row counted twice (its prefilled copy stays beside the slot it is copied into), and when
+one slot of every point does not fit, the points are split into chunks, each with its own prompt passes. Before
+any prefill a row's size is an estimate (the budget; the whole prompt for the full cache and for a method whose
+kept size is data-driven, ``Method.keeps_within_budget``); the rows of the longest prompt, prefilled first, then
+size the slots from what they really hold (their storage as planned, state and tables included).
 Timings: a fused row's time to first token is the whole shared pass plus the point's own compression and
 suffix, its decode time its share of steps that carried every point's rows; its run's wall time is the group's;
 its rows say ``fused_group_size``.
@@ -38,8 +41,8 @@ from omegaconf import DictConfig
 
 from kvbench import models, status, store
 from kvbench.attention import attach
-from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest
-from kvbench.engine import Engine, Generation, _sync
+from kvbench.decode import CPU_AUTO_BATCH, DecodeBatch, DecodeRequest, storage_bytes_per_row
+from kvbench.engine import Engine, Generation, Session, _sync
 from kvbench.memory import PeakMemory, release_memory
 from kvbench.errors import disk_full, failed_outcome
 from kvbench.runner import (FULL, Point, announce, build_engine, build_method, build_task, execute, load_samples,
@@ -235,7 +238,8 @@ def fused_generate(engines: list[Engine], call: GenerationCall, batch_size: int 
         for chunk in _chunks(sizes, memory):
             slots = _slots(batch_size, len(set(map(tuple, call.contexts))), sum(sizes[i] for i in chunk), memory,
                            engines[0].device)
-            for index, gens in zip(chunk, _decode_together([engines[i] for i in chunk], call, slots, finished)):
+            for index, gens in zip(chunk, _decode_together([engines[i] for i in chunk], call, slots, memory,
+                                                           finished)):
                 generations[index] = gens
     for engine, gens in zip(engines, generations):
         if not isinstance(gens, Exception):
@@ -265,26 +269,37 @@ def _slots(batch_size: int | str, rows: int, slot_bytes: int, memory: int, devic
 
 
 def _row_bytes(engine: Engine, call: GenerationCall) -> int:
-    """Estimated bytes of one of the point's rows of ``call`` (its longest prompt): the budget (the whole prompt
-    for the full cache), the suffix and the tokens it may generate, at the model's K+V bytes per token."""
+    """Estimated bytes of one of the point's rows of ``call`` (its longest prompt), before any prefill: the budget
+    (the whole prompt for the full cache and for a method whose size is data-driven), the suffix and the tokens
+    it may generate, at the model's K+V bytes per token. ``_measured_slots`` corrects it after the first prompt."""
     config = engine.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * engine.model.dtype.itemsize
     largest = 0
     for b, context in enumerate(call.contexts):
         n = len(context)
-        keep = n if engine.method.name == FULL else min(n, int(engine.budget.n_keep(
+        keep = n if engine.method.name == FULL or not engine.method.keeps_within_budget else min(n, int(engine.budget.n_keep(
             torch.tensor([n]), call.max_new_tokens, engine.method.budget_basis)[0]))
         suffix = 0 if call.suffixes is None else len(call.suffixes[b])
         largest = max(largest, keep + suffix + call.max_new_tokens)
     return largest * token_bytes
 
 
-def _decode_together(engines: list[Engine], call: GenerationCall, slots: int,
+def _measured_slots(slots: int, rows: list[Session], max_new_tokens: int, memory: int) -> int:
+    """``slots`` (from estimates), fewer where the prefilled ``rows`` of the longest prompt (one per point) show
+    that a slot of every point takes more: a slot's storage as planned for the row (state and tables included)
+    plus the prefilled row itself, which its flight holds while it decodes."""
+    measured = sum(storage_bytes_per_row(row.engine, row, max_new_tokens) + row.cache.allocated_bytes()
+                   for row in rows)
+    return max(1, min(slots, memory // max(1, measured)))
+
+
+def _decode_together(engines: list[Engine], call: GenerationCall, slots: int, memory: int,
                      finished: Callable[[], None]) -> list[list[Generation] | Exception]:
     """Every distinct prompt of ``call`` prefilled once for all ``engines``, longest first, its rows admitted to
-    one ``DecodeBatch`` of the engines (``slots`` rows each; every step one forward pass for all of them) while
-    every point has a free slot, as ``decode_prompts`` admits one point's. An engine that failed gets its error."""
+    one ``DecodeBatch`` of the engines (``slots`` rows each, fewer if the longest prompt's rows show they do not
+    fit ``memory``: ``_measured_slots``; every step one forward pass for all of them) while every point has a
+    free slot, as ``decode_prompts`` admits one point's. An engine that failed gets its error."""
     device = engines[0].device
     request = DecodeRequest(call.max_new_tokens, frozenset(call.stop_token_ids), call.min_new_tokens, call.stop_when)
     groups: dict[tuple, list[int]] = {}
@@ -293,27 +308,35 @@ def _decode_together(engines: list[Engine], call: GenerationCall, slots: int,
     pending = deque(sorted(groups.items(), key=lambda item: -(len(item[0][0]) + len(item[0][1]))))
     results: list = [[None] * len(call.contexts) for _ in engines]
     errors: list[Exception | None] = [None] * len(engines)
-    batch = DecodeBatch(engines, slots)
+    batch: DecodeBatch | None = None
     try:
-        while pending or batch.busy:
+        while pending or (batch is not None and batch.busy):
             live = [p for p, error in enumerate(errors) if error is None]
-            if pending and live and all(batch.vacancies(p) > 0 for p in live):
+            if pending and live and (batch is None or all(batch.vacancies(p) > 0 for p in live)):
                 (prompt, suffix), copies = pending.popleft()
                 rows = prefill_points([engines[p] for p in live], list(prompt), call.max_new_tokens, list(suffix))
                 for p, row in zip(live, rows):
                     if isinstance(row, Exception):
                         errors[p] = row
+                if batch is None:
+                    prefilled = [row for row in rows if not isinstance(row, Exception)]
+                    if not prefilled:
+                        break
+                    batch = DecodeBatch(engines, _measured_slots(slots, prefilled, call.max_new_tokens, memory))
+                for p, row in zip(live, rows):
+                    if isinstance(row, Exception):
                         continue
                     row.copies = len(copies)
                     for b in copies:
                         batch.admit(p, row, request, tag=b)
                 continue  # fill every free slot before the next step
-            if not batch.busy:
+            if batch is None or not batch.busy:
                 break
             for done in batch.step():
                 results[done.point][done.tag] = done.generation
                 finished()
     finally:
-        batch.close()
+        if batch is not None:
+            batch.close()
         _sync(device)
     return [error if error is not None else gens for error, gens in zip(errors, results)]

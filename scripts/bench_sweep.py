@@ -25,6 +25,7 @@ the 36-point sweep (12 methods x 0.2, 0.35, 0.5); in-run TPOT at batch 8 / batch
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import tempfile
 from contextlib import redirect_stdout
@@ -103,6 +104,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tpot", action="store_true", help="each method's batch-1 TPOT beside its in-run TPOT")
     args, overrides = parser.parse_known_args(argv)
     overrides = overrides or DEFAULT_POINTS
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # the runs' logs (decode batches' graph replays)
     with tempfile.TemporaryDirectory(prefix="kvbench-bench-sweep-") as tmp:
         tmp = Path(tmp)
         cfgs = points(overrides, tmp / "alone")
@@ -117,15 +119,15 @@ def main(argv: list[str]) -> int:
         report(overrides, alone, fused, complete=args.alone == "all")
         order = list(dict.fromkeys(store.run_id(runner.result_config(cfg)) for cfg in cfgs))  # sweep order
         report_points(alone, fused, order)
+        if args.tpot:  # before the wide sweep, the longest part
+            with redirect_stdout(sys.stderr):
+                tpots = batch_one_tpot(cfgs)
+            report_tpot(alone, fused, tpots, order)
         if args.wide:
             shared = [o for o in overrides if not o.startswith(POINT_OVERRIDES)]
             with redirect_stdout(sys.stderr):
                 wide = run_fused(shared + args.wide.split(), tmp / "wide")
             report_wide(args.wide, alone, wide)
-        if args.tpot:
-            with redirect_stdout(sys.stderr):
-                tpots = batch_one_tpot(cfgs)
-            report_tpot(alone, fused, tpots, order)
     return 0
 
 

@@ -141,6 +141,38 @@ def test_a_small_memory_budget_splits_the_points_into_passes_with_the_same_resul
     assert_same_run(alone, fused, group_size=3, other={"decode_batch_size", "batch_size_realized"})
 
 
+def test_slots_follow_what_the_longest_prompts_rows_really_hold(tmp_path, monkeypatch):
+    """Before any prefill KVMerger (data-driven size) is counted at its whole prompt, like the full cache; after
+    the longest prompt's rows are prefilled, a memory budget of two slots of their measured bytes gives two
+    slots although the estimate allowed three."""
+    from kvbench import decode, models
+    from kvbench.tasks.base import generation_calls
+
+    cfgs = [point(tmp_path, f"method={m}", "batch_size=3", "task.depths=[0,25,50,75,100]")
+            for m in ("h2o", "kvmerger", "full")]
+    lm = models.load(cfgs[0].model)
+    engines = [runner.build_engine(cfg, lm, *runner.build_method(cfg)) for cfg in cfgs]
+    task = runner.build_task(cfgs[0])
+    samples = runner.load_samples(cfgs[0], task, lm)
+    call = generation_calls([task.build_prompt(sample, lm) for sample in samples], lm)[0]
+    h2o, kvmerger, full = (sweep._row_bytes(engine, call) for engine in engines)
+    assert h2o < kvmerger == full
+    engines = engines[:2]
+    rows_seen, slots_seen = [], []
+    measure = sweep._measured_slots
+    monkeypatch.setattr(sweep, "_measured_slots", lambda slots, rows, new, memory: rows_seen.append(
+        rows) or measure(slots, rows, new, memory))
+    monkeypatch.setattr(sweep, "DecodeBatch", lambda points, slots: slots_seen.append(slots) or decode.DecodeBatch(
+        points, slots))
+    sweep._decode_together(engines, call, 3, 10**15, lambda: None)
+    slot_bytes = sum(decode.storage_bytes_per_row(row.engine, row, call.max_new_tokens) + row.cache.allocated_bytes()
+                     for row in rows_seen[0])
+    assert slots_seen == [3] and len(rows_seen[0]) == 2
+    sweep._decode_together(engines, call, 3, 2 * slot_bytes + 1, lambda: None)
+    assert slots_seen == [3, 2]
+    assert sweep._measured_slots(3, rows_seen[0], call.max_new_tokens, 0) == 1  # never fewer than one slot
+
+
 # -- resume per point -----------------------------------------------------------------------------------------
 
 def test_a_point_that_fails_in_its_group_fails_alone_and_resumes_alone(tmp_path, monkeypatch):

@@ -69,6 +69,12 @@ class Method:
         return 0
 
     @property
+    def keeps_within_budget(self) -> bool:
+        """Whether a row keeps at most its budget after prefill compression (False: its size is data-driven and
+        may reach the whole prompt, e.g. KVMerger's thresholds); memory planning before a prefill relies on it."""
+        return True
+
+    @property
     def expands_slots(self) -> bool:
         """Whether attention reads ``expand``'s entries instead of the stored slots."""
         return False

@@ -101,6 +101,11 @@ class KVMerger(Method):
                 f"{self.name}: value_scaling '{self.value_scaling}'; accepted: {', '.join(VALUE_SCALINGS)}"
             )
 
+    @property
+    def keeps_within_budget(self) -> bool:
+        """Threshold-driven: without ``enforce_budget`` a row may keep its whole prompt."""
+        return self.enforce_budget
+
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         valid = kv.valid()
         score = torch.zeros(kv.positions.shape, dtype=torch.float32, device=kv.keys.device)
