@@ -382,10 +382,14 @@ class Engine:
     def _forward(self, tokens: Tensor, index: Tensor, rope_positions: Tensor, cache: CompressedCache,
                  plan: PassPlan, logits_to_keep: int = 0) -> Tensor:
         cache.plan = plan
-        with torch.inference_mode(), attach(self.model, self.attn_implementation), compiled_decode(
-                self.model, self.compile_decode and tokens.shape[1] == 1):
-            out = self.model(input_ids=tokens, position_ids=rope_positions, **{cache_keyword(type(self.model)): cache},
-                             use_cache=True, kvbench_cache=cache, logits_to_keep=logits_to_keep)
+        try:
+            with torch.inference_mode(), attach(self.model, self.attn_implementation), compiled_decode(
+                    self.model, self.compile_decode and tokens.shape[1] == 1):
+                out = self.model(input_ids=tokens, position_ids=rope_positions,
+                                 **{cache_keyword(type(self.model)): cache}, use_cache=True, kvbench_cache=cache,
+                                 logits_to_keep=logits_to_keep)
+        finally:  # a prompt pass's plan calls back into its session (after_layer): a cycle through the cache that
+            cache.plan = None  # would keep the whole cache alive until the garbage collector runs
         return out.logits
 
     def with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:

@@ -234,3 +234,26 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
         assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean)
     # rows that joined at different times compress at different steps (intervals count per row): those run eagerly
     assert batch.replays > (0 if method.decode_interval > 1 else batch.launched / 3)
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "d2o"])  # per-layer prefill, in-place decode, deferred budgets
+def test_a_generation_leaves_no_cache_behind_for_the_garbage_collector(tiny_model, name):
+    """Everything a generation allocated is freed when its last reference goes, not at the next garbage collection
+    (a cache kept alive by a reference cycle holds its memory into the next run: the 64k efficiency runs ran out
+    of memory so)."""
+    import gc
+
+    engine = Engine(tiny_model, build(name), Budget("fraction", 0.5), attn_implementation="sdpa")
+    prompts = random_prompts([40, 33], tiny_model.config.vocab_size)
+    gc.collect()
+    gc.disable()
+    try:
+        engine.generate(prompts, 6, stop_token_ids=set(), batch_size=2)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if torch.is_tensor(o)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cyclic == []
