@@ -155,6 +155,7 @@ class DecodeBatch:
         self.composite: CompositeCache | None = None
         self.rows: Tensor | None = None  # the allocated points' rows when not all points are, in batch order
         self._bytes_delta: tuple | None = None  # (captured decisions, (R,) bytes a replay adds to each row)
+        self.finished_early: list[Finished] = []  # rows that finished when ``place`` placed them
 
     # -- what callers ask -----------------------------------------------------------------------------
 
@@ -173,8 +174,14 @@ class DecodeBatch:
 
     @property
     def busy(self) -> bool:
-        """Rows are waiting or being decoded."""
-        return any(p.waiting or p.flights for p in self.points)
+        """Rows are waiting, being decoded, or finished at their placement and not yet returned by ``step``."""
+        return bool(self.finished_early) or any(p.waiting or p.flights for p in self.points)
+
+    def place(self) -> None:
+        """Place the waiting rows into free slots now rather than at the next step: a placed row's prefilled
+        cache is freed (``_place``), so a caller that prefills several prompts before the first step holds one
+        prefilled row at a time instead of all of them. Rows that finish at placement come with the next step."""
+        self.finished_early += self._place()
 
     def step(self) -> list[Finished]:
         """Place waiting rows into free slots, run one decode step, and read the tokens of the step ``lag``
@@ -183,7 +190,7 @@ class DecodeBatch:
             engine = self.points[0].engine
             self.attachment.enter_context(attach(engine.model, engine.attn_implementation))
             self.attached = True
-        finished = self._place()
+        finished, self.finished_early = self.finished_early + self._place(), []
         in_flight = any(p.flights for p in self.points)
         if in_flight:
             self._launch()
@@ -232,6 +239,10 @@ class DecodeBatch:
                 set(free) - point.empty)
             if placed or newly_free:
                 self._install(point, list(placed.values()), free)
+            for row, slots in placed.values():
+                row.placed_copies += len(slots)
+                if row.placed_copies == row.copies:  # every copy is in its slot: its own cache is not read again
+                    row.cache = None
         return finished
 
     @staticmethod
@@ -488,6 +499,7 @@ def decode_prompts(engine: Engine, prompts: list[list[int]], suffixes: list[list
                 admitted = copies[:batch.vacancies(0)]
                 for b in admitted:
                     batch.admit(0, row, request, tag=b)
+                batch.place()
                 del copies[:len(admitted)]
                 current = None if not copies else current
                 if batch.vacancies(0) > 0 and (pending or current is not None):

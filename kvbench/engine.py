@@ -148,6 +148,7 @@ class Session:
     prompt_lengths: list[int] = field(default_factory=list)  # per row, without its suffix
     prefill_seconds: float = 0.0  # a prefilled row: the wall time of its prompt pass(es), compression and suffix
     copies: int = 1  # a prefilled row: how many batch rows share that one prefill (its time is split among them)
+    placed_copies: int = 0  # a prefilled row: copies a ``DecodeBatch`` has placed (then its cache is freed)
     row_steps: np.ndarray | None = None
     timer: DeviceTimer | None = None
     _seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))

@@ -16,11 +16,12 @@ its unpublished points run again one by one. A full disk stops the group (its un
 run), and Ctrl-C records its unpublished points as interrupted, as for points run alone.
 
 Memory: a point holds ``batch_size`` rows at most; the slots shrink to what the memory budget (``sweep.memory_gb``)
-holds for every point, a row counted twice (its prefilled copy stays beside the slot it is copied into), and when
-one slot of every point does not fit, the points are split into chunks, each with its own prompt passes. Before
-any prefill a row's size is an estimate (the budget; the whole prompt for the full cache and for a method whose
-kept size is data-driven, ``Method.keeps_within_budget``); the rows of the longest prompt, prefilled first, then
-size the slots from what they really hold (their storage as planned, state and tables included).
+holds for every point: each slot's storage, plus one prompt's prefilled rows (a prefilled row is freed once copied
+into its slots, ``DecodeBatch.place``). When one slot of every point does not fit, the points are split into
+chunks, each with its own prompt passes. Before any prefill a row's size is an estimate (the budget; the whole
+prompt for the full cache and for a method whose kept size is data-driven, ``Method.keeps_within_budget``); the
+rows of the longest prompt, prefilled first, then size the slots from what they really hold (their storage as
+planned, state and tables included).
 Timings: a fused row's time to first token is the whole shared pass plus the point's own compression and
 suffix, its decode time its share of steps that carried every point's rows; its run's wall time is the group's;
 its rows say ``fused_group_size``.
@@ -54,7 +55,7 @@ log = logging.getLogger("kvbench")
 POINT_KEYS = ("method", "budget")  # what the points of one group may differ in
 AUTO_MEMORY_SHARE = 0.8  # memory budget when none is set: this share of the device's free memory (the rest:
 # activations of the prompt pass, graph pools)
-HELD_TWICE = 2  # a row is held twice while it is placed: its prefilled copy and its slot in the batch storage
+HELD_TWICE = 2  # a point's share of a chunk: one slot in the batch storage and one prefilled row waiting beside it
 
 
 def alone_because(cfg: DictConfig) -> str | None:
@@ -236,8 +237,7 @@ def fused_generate(engines: list[Engine], call: GenerationCall, batch_size: int 
     sizes = [HELD_TWICE * _row_bytes(engine, call) for engine in engines]
     with PeakMemory(engines[0].device, baseline=engines[0].weight_bytes) as peak:
         for chunk in _chunks(sizes, memory):
-            slots = _slots(batch_size, len(set(map(tuple, call.contexts))), sum(sizes[i] for i in chunk), memory,
-                           engines[0].device)
+            slots = _slots(batch_size, len(set(map(tuple, call.contexts))), engines[0].device)
             for index, gens in zip(chunk, _decode_together([engines[i] for i in chunk], call, slots, memory,
                                                            finished)):
                 generations[index] = gens
@@ -259,13 +259,12 @@ def _chunks(sizes: list[int], memory: int) -> list[list[int]]:
     return chunks
 
 
-def _slots(batch_size: int | str, rows: int, slot_bytes: int, memory: int, device: torch.device) -> int:
-    """Rows each point decodes at once: ``batch_size`` (``auto``: as a run alone picks on a CPU, else what
-    ``memory`` holds), never more than ``memory`` holds at ``slot_bytes`` for a slot of every point."""
-    fits = max(1, memory // slot_bytes)
+def _slots(batch_size: int | str, rows: int, device: torch.device) -> int:
+    """Rows each point decodes at once before memory is measured (``_measured_slots``): ``batch_size`` (``auto``:
+    as a run alone picks on a CPU, else every row), never more than the call's rows."""
     wanted = CPU_AUTO_BATCH if batch_size == "auto" and device.type != "cuda" else (
-        fits if batch_size == "auto" else batch_size)
-    return max(1, min(wanted, fits, rows))
+        rows if batch_size == "auto" else batch_size)
+    return max(1, min(wanted, rows))
 
 
 def _row_bytes(engine: Engine, call: GenerationCall) -> int:
@@ -286,12 +285,12 @@ def _row_bytes(engine: Engine, call: GenerationCall) -> int:
 
 
 def _measured_slots(slots: int, rows: list[Session], max_new_tokens: int, memory: int) -> int:
-    """``slots`` (from estimates), fewer where the prefilled ``rows`` of the longest prompt (one per point) show
-    that a slot of every point takes more: a slot's storage as planned for the row (state and tables included)
-    plus the prefilled row itself, which its flight holds while it decodes."""
-    measured = sum(storage_bytes_per_row(row.engine, row, max_new_tokens) + row.cache.allocated_bytes()
-                   for row in rows)
-    return max(1, min(slots, memory // max(1, measured)))
+    """``slots``, fewer where the prefilled ``rows`` of the longest prompt (one per point) show that they do not
+    fit ``memory``: every slot of every point takes its storage as planned for the row (state and tables
+    included), and one prompt's prefilled rows wait beside them until they are placed (then freed)."""
+    storage = sum(storage_bytes_per_row(row.engine, row, max_new_tokens) for row in rows)
+    prefilled = sum(row.cache.allocated_bytes() for row in rows)
+    return max(1, min(slots, (memory - prefilled) // max(1, storage)))
 
 
 def _decode_together(engines: list[Engine], call: GenerationCall, slots: int, memory: int,
@@ -329,6 +328,7 @@ def _decode_together(engines: list[Engine], call: GenerationCall, slots: int, me
                     row.copies = len(copies)
                     for b in copies:
                         batch.admit(p, row, request, tag=b)
+                batch.place()  # the prefilled rows are freed once copied into their slots
                 continue  # fill every free slot before the next step
             if batch is None or not batch.busy:
                 break

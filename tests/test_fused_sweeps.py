@@ -143,8 +143,8 @@ def test_a_small_memory_budget_splits_the_points_into_passes_with_the_same_resul
 
 def test_slots_follow_what_the_longest_prompts_rows_really_hold(tmp_path, monkeypatch):
     """Before any prefill KVMerger (data-driven size) is counted at its whole prompt, like the full cache; after
-    the longest prompt's rows are prefilled, a memory budget of two slots of their measured bytes gives two
-    slots although the estimate allowed three."""
+    the longest prompt's rows are prefilled, a memory budget of their bytes plus two slots' storage gives two
+    slots although three were asked for."""
     from kvbench import decode, models
     from kvbench.tasks.base import generation_calls
 
@@ -158,19 +158,20 @@ def test_slots_follow_what_the_longest_prompts_rows_really_hold(tmp_path, monkey
     h2o, kvmerger, full = (sweep._row_bytes(engine, call) for engine in engines)
     assert h2o < kvmerger == full
     engines = engines[:2]
-    rows_seen, slots_seen = [], []
+    rows_seen, slots_seen = [], []  # per batch: (rows, their slots' storage, their prefilled bytes)
     measure = sweep._measured_slots
-    monkeypatch.setattr(sweep, "_measured_slots", lambda slots, rows, new, memory: rows_seen.append(
-        rows) or measure(slots, rows, new, memory))
+    monkeypatch.setattr(sweep, "_measured_slots", lambda slots, rows, new, memory: rows_seen.append((
+        rows, sum(decode.storage_bytes_per_row(row.engine, row, new) for row in rows),
+        sum(row.cache.allocated_bytes() for row in rows))) or measure(slots, rows, new, memory))
     monkeypatch.setattr(sweep, "DecodeBatch", lambda points, slots: slots_seen.append(slots) or decode.DecodeBatch(
         points, slots))
     sweep._decode_together(engines, call, 3, 10**15, lambda: None)
-    slot_bytes = sum(decode.storage_bytes_per_row(row.engine, row, call.max_new_tokens) + row.cache.allocated_bytes()
-                     for row in rows_seen[0])
-    assert slots_seen == [3] and len(rows_seen[0]) == 2
-    sweep._decode_together(engines, call, 3, 2 * slot_bytes + 1, lambda: None)
+    rows, storage, prefilled = rows_seen[0]
+    assert slots_seen == [3] and len(rows) == 2 and all(row.cache is None for row in rows)  # freed once placed
+    sweep._decode_together(engines, call, 3, prefilled + 2 * storage + 1, lambda: None)
     assert slots_seen == [3, 2]
-    assert sweep._measured_slots(3, rows_seen[0], call.max_new_tokens, 0) == 1  # never fewer than one slot
+    sweep._decode_together(engines, call, 3, 0, lambda: None)
+    assert slots_seen == [3, 2, 1]  # never fewer than one slot
 
 
 # -- resume per point -----------------------------------------------------------------------------------------
