@@ -15,11 +15,12 @@ from kvbench.kernels.similarity import unit_keys
 
 
 def chunked_soft_matching(
-    keys: Tensor, start: Tensor, count: Tensor, chunk_size: int | None
+    keys: Tensor, start: Tensor, count: Tensor, chunk_size: int | None, longest: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """Edges of one CSM step over the region ``[start, start + count)`` of every row.
 
-    keys: (B, H, T, D); start, count: (B, H) long, the clusterable region of each row.
+    keys: (B, H, T, D); start, count: (B, H) long, the clusterable region of each row; ``longest``: count's
+    maximum if the caller knows it on the host (else it is read back from the device).
     The region is cut into consecutive chunks of ``chunk_size`` slots (None: one chunk, i.e. no chunking).
     Inside a chunk, slots at even offsets form set A and slots at odd offsets set B (alternating partition);
     every A slot gets one edge to its most similar B slot of the same chunk (key cosine; ties -> the
@@ -32,11 +33,11 @@ def chunked_soft_matching(
     if use_triton("chunked_soft_matching", keys):
         from kvbench.kernels import triton_matching
 
-        return triton_matching.chunked_soft_matching(keys, start, count, chunk_size)
+        return triton_matching.chunked_soft_matching(keys, start, count, chunk_size, longest)
     B, H, T, D = keys.shape
     partner = torch.full((B, H, T + 1), -1, dtype=torch.long, device=keys.device)
     similarity = torch.full((B, H, T + 1), -float("inf"), device=keys.device)
-    M = int(count.max()) if count.numel() else 0
+    M = longest if longest is not None else int(count.max()) if count.numel() else 0
     if M < 2:
         return partner[..., :T], similarity[..., :T]
     size = M if chunk_size is None else min(chunk_size, M)

@@ -3,7 +3,8 @@
 One program per (A tile of one chunk, b, h): it loads its A slots (even offsets of the chunk), normalises
 them, and walks the chunk's B slots (odd offsets) tile by tile keeping each A slot's best cosine and the
 earliest B slot reaching it. Memory per program is two tiles, whatever the chunk size (no chunking = one
-chunk of the whole region). Chunk geometry (size, count) is the reference's, computed on the host.
+chunk of the whole region). Chunk geometry (size, count) is the reference's, computed on the host
+(from ``longest`` when the caller knows it).
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ def _csm(
 
 
 def chunked_soft_matching(
-    keys: Tensor, start: Tensor, count: Tensor, chunk_size: int | None
+    keys: Tensor, start: Tensor, count: Tensor, chunk_size: int | None, longest: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """Triton ``matching.chunked_soft_matching``: (partner, similarity), both (B, H, T)."""
     B, H, T, D = keys.shape
     partner = torch.full((B, H, T), -1, dtype=torch.long, device=keys.device)
     similarity = torch.full((B, H, T), -float("inf"), device=keys.device)
-    M = int(count.max()) if count.numel() else 0
+    M = longest if longest is not None else int(count.max()) if count.numel() else 0
     if M < 2:
         return partner, similarity
     size = M if chunk_size is None else min(chunk_size, M)

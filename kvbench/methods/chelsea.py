@@ -42,7 +42,11 @@ ragged path, which adds the per-slot bias, instead of the wrapped FlashAttention
 over a region of m slots costs O(m * chunk_size * d / 4) for the in-chunk cosines, O(m log m) for ranking
 edges and O(m d) for the merge; prefill runs about log_{1/(1-r)}(m / B) steps; decode runs one step on about
 B + decode_interval slots every decode_interval steps, i.e. O(B * chunk_size * d / (4 * decode_interval)) per
-generated token.
+generated token. Ranking (a sort) only runs on a step that merges fewer than all edges (with r = 0.5, the last).
+Host cost: a compression call reads the row lengths back once and plans every step on the host
+(``chelsea_schedule``: merge counts depend on lengths alone), so the steps run without read-backs; on CUDA a
+step is one Triton launch for the matching and two for the merge (``kernels.partner_merge``), plus a sort
+on a ranking step.
 """
 
 from __future__ import annotations
@@ -52,15 +56,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.matching import chunked_soft_matching
-from kvbench.kernels.merge import group_sum, scatter_merge
-from kvbench.kernels.select import topk_mask, true_first
+from kvbench.kernels.partner_merge import merge_into_partners
+from kvbench.kernels.select import topk_mask
 from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
 from kvbench.methods.base import Method
+from kvbench.methods.chelsea_schedule import DeviceStep, plan_step, plan_steps, upload
 
 MERGED = "merged_tokens"  # per-slot state: original tokens merged into the slot besides its own (degree - 1)
 
@@ -126,65 +132,56 @@ class Chelsea(Method):
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         if MERGED not in kv.state:
             kv.state[MERGED] = torch.zeros(kv.positions.shape, device=kv.keys.device)
-        target = n_keep.to(kv.lengths).view(-1, 1).expand_as(kv.lengths)
-        target = torch.where(self.outlier_rows(layer, kv), kv.lengths, target)  # outlier heads stay full
-        step = 0
-        while bool((kv.lengths > target).any()):
-            kv = self.cluster_step(kv, target, self.ratio(step))
-            step += 1
+        lengths, target = self.lengths_and_target(layer, kv, n_keep)  # the one read-back of the call
+        for step in upload(plan_steps(lengths, target, self.sinks, self.recent, self.chunk_size, self.ratio),
+                           kv.keys.device):
+            kv = self.run_step(kv, step)
         if self.degree_bias:
             kv.state[LOGIT_BIAS] = torch.log1p(kv.state[MERGED].float())
         return kv
 
-    def outlier_rows(self, layer: int, kv: LayerKV) -> Tensor:
-        """(B, H) bool: rows of this layer that keep a full cache."""
-        rows = torch.zeros_like(kv.lengths, dtype=torch.bool)
+    def lengths_and_target(self, layer: int, kv: LayerKV, n_keep: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Host (B, H) row lengths and per-row targets: the budget ``n_keep`` (B,), or the length on outlier
+        heads (they stay full); read back in one copy."""
+        H = kv.lengths.shape[1]
+        host = torch.cat([kv.lengths, n_keep.to(kv.lengths).view(-1, 1)], 1).cpu().numpy()
+        lengths = host[:, :H]
+        return lengths, np.where(self.outlier_rows(layer, H), lengths, host[:, H:])
+
+    def outlier_rows(self, layer: int, heads: int) -> np.ndarray:
+        """(heads,) bool: KV heads of this layer that keep a full cache."""
+        rows = np.zeros(heads, dtype=bool)
         if self._outliers is None:
             return rows
-        heads = kv.lengths.shape[1]
         if self._outliers["shape"][1] != heads:
             raise ConfigError(f"{self.name}: outlier_heads_file {self.outlier_heads_file} is for "
                               f"{self._outliers['shape'][1]} KV heads per layer; this model has {heads}")
         for out_layer, head in self._outliers["heads"]:
             if out_layer == layer:
-                rows[:, head] = True
+                rows[head] = True
         return rows
 
     def cluster_step(self, kv: LayerKV, target: Tensor, r: float) -> LayerKV:
-        """One CSM step on every row above its ``target`` (B, H); returns the re-allocated cache."""
-        recent = torch.minimum(torch.full_like(target, self.recent), target - 1)
-        sinks = torch.minimum(torch.full_like(target, self.sinks), target - 1 - recent)
-        region = (kv.lengths - sinks - recent).clamp(min=0)
-        partner, similarity = chunked_soft_matching(kv.keys, sinks, region, self.chunk_size)
-        excess = (kv.lengths - target).clamp(min=0)
-        per_step = torch.floor(r * region.double()).long().clamp(min=1)
-        absorbed = topk_mask(similarity, torch.minimum(excess, per_step))  # A slots merged into their B
-        if not bool(absorbed.any()):
-            raise RuntimeError(f"chelsea: no edge left to merge (lengths {kv.lengths.tolist()}, target "
-                               f"{target.tolist()})")
-        return merge_clusters(kv, absorbed, partner)
+        """One CSM step at ratio ``r`` on every row above its ``target`` (B, H); returns the re-allocated cache."""
+        host = torch.cat([kv.lengths, target.to(kv.lengths)], 1).cpu().numpy()
+        H = kv.lengths.shape[1]
+        step = plan_step(host[:, :H], host[:, H:], self.sinks, self.recent, self.chunk_size, r)
+        return self.run_step(kv, upload([step], kv.keys.device)[0])
 
-
-def merge_clusters(kv: LayerKV, absorbed: Tensor, partner: Tensor) -> LayerKV:
-    """Degree-weighted centroids: every ``absorbed`` slot (B, H, T) joins the slot ``partner`` points to."""
-    valid = kv.valid()
-    survivor = valid & ~absorbed
-    rank = survivor.long().cumsum(-1) - 1  # new index of every surviving slot
-    slots = torch.arange(kv.capacity, device=kv.keys.device).expand_as(rank)
-    destination = torch.where(absorbed, partner, slots)
-    groups = torch.where(valid, rank.gather(2, destination.clamp(min=0)), -1)
-    lengths = survivor.sum(-1)
-    G = int(lengths.max())
-    degree = (kv.state[MERGED].float() + 1) * valid
-    cluster_degree = group_sum(degree, groups, G)  # (B, H, G)
-    weight = degree / cluster_degree.gather(2, groups.clamp(min=0)).clamp(min=1)
-    order = true_first(survivor)[..., :G]
-    merged = kv.gather(order, lengths)  # positions (the B slot's) and other state follow the survivor
-    merged.keys = scatter_merge(kv.keys, groups, weight, G)
-    merged.values = scatter_merge(kv.values, groups, weight, G)
-    merged.state[MERGED] = (cluster_degree - 1).to(kv.state[MERGED].dtype)
-    merged.zero_padding()
-    return merged
+    def run_step(self, kv: LayerKV, step: DeviceStep) -> LayerKV:
+        """The device work of a planned step: edges, the planned number of the best ones, their merge."""
+        partner, similarity = chunked_soft_matching(kv.keys, step.start, step.region, self.chunk_size,
+                                                    step.longest_region)
+        # A slots merged into their B slot: every edge (-inf marks none), or each row's best ``merges`` (a sort)
+        absorbed = similarity > -float("inf") if step.every_edge else topk_mask(similarity, step.merges)
+        keys, values, positions, merged, source = merge_into_partners(
+            kv.keys, kv.values, kv.positions, kv.state[MERGED], kv.lengths, absorbed, partner, step.longest_row)
+        out = LayerKV(keys=keys, values=values, positions=positions, lengths=step.lengths,
+                      state={MERGED: merged}, tables=kv.tables)
+        for name, state in kv.state.items():  # other states follow their survivor
+            if name != MERGED:
+                out.state[name] = state.gather(2, source).masked_fill_(~out.valid(), 0)
+        return out
 
 
 def load_outlier_heads(path: str | None) -> dict | None:

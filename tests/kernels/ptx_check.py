@@ -1,4 +1,5 @@
-"""Compile the fused decode-step kernels to PTX and cubin for an H100 (sm_90) without a GPU.
+"""Compile the fused decode-step kernels and Chelsea's prompt merge to PTX and cubin for an H100 (sm_90),
+without a GPU.
 
 Triton's interpreter (what the CPU tests run) accepts code the compiler refuses (plain Python globals, some
 scalar forms), so every launch of the wrappers below is turned into a compilation with the launch's real
@@ -19,7 +20,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8"}
+POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8",
+            torch.bool: "*i1"}
 compiled: list[str] = []
 
 
@@ -46,7 +48,7 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter does not compile"
     JITFunction.run = compile_instead_of_launch
-    from kvbench.kernels import triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe
+    from kvbench.kernels import triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe, triton_partner_merge
     from kvbench.kernels import triton_weightedkv_step
 
     B, H, C, D = 2, 8, 300, 128
@@ -74,6 +76,8 @@ def main() -> None:
     triton_ems_step.ems_observe(*state[:5], lengths, 32)
     triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, None)
     triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, torch.ones(B, dtype=torch.long))
+    absorbed, partner = positions % 2 == 0, (positions | 1).clamp(max=C - 1)  # Chelsea's prompt merge
+    triton_partner_merge.merge_into_partners(keys, values, positions, state[0], lengths, absorbed, partner, C // 2)
     print(f"{len(compiled)} kernel variants compiled for sm_90: {sorted(set(compiled))}")
 
 
