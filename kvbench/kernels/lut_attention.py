@@ -20,7 +20,7 @@ bool. Returns the output (B, H_q, 1, D_v) in the query's dtype and, with ``want_
 (B, H, T) float32 averaged over the query heads of a group (``decode_attention``'s convention), else None.
 Shapes are static (no host read): the step replays in a CUDA graph.
 
-This is the torch reference; ``triton_lut_attention`` holds the three-launch kernel of the same signature.
+This is the torch reference; ``triton_lut_attention`` holds the four-launch kernel of the same signature.
 """
 
 from __future__ import annotations

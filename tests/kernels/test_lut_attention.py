@@ -18,6 +18,7 @@ SHAPES = [  # B, H, group, T, E, D, D_v
     (2, 3, 1, 37, 70, 12, 20),
     (1, 2, 4, 300, 700, 64, 64),
     (2, 2, 3, 65, 0, 16, 16),
+    (1, 2, 2, 130, 2100, 16, 8),  # a table of three member splits (``MEMBER_BLOCK``)
 ]
 LAYOUTS = ("random", "one_centre", "none_live")
 
@@ -68,7 +69,7 @@ def test_lut_attention_without_step_returns_none():
             assert lut_attention(*case, 0.5)[1] is None
 
 
-@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:], ids=str)
 @pytest.mark.parametrize("layout", ("random", "one_centre"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_lut_attention_equals_the_expanded_view(shape, layout, dtype):

@@ -82,4 +82,4 @@ def test_fold_entries_triton_matches_torch(shape, group):
 def test_lut_kernels_compile_for_the_gpu():
     """Every variant of the expansion, fold and members' attention kernels compiles to sm_90 in a process without
     TRITON_INTERPRET (``ptx_check_lut.py``)."""
-    assert "11 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
+    assert "13 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
