@@ -26,7 +26,9 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   column-sum pass does not take) it runs ``ragged_attention`` with the causal rule on stored positions;
 - a method that expands its stored slots at attention time (``Method.expands_slots``: EMS's look-up table)
   has the two cached paths above read its ``Method.expand`` entries instead, over their whole (static)
-  capacity, the statistics summed back onto the stored slots (``Expansion.fold``).
+  capacity, the statistics summed back onto the stored slots (``Expansion.fold``); a one-query pass over
+  entries that share their stored slot's key direction (``Expansion.members``: EMS "w.o. pos") runs
+  ``lut_attention`` over the stored slots and the members' (slot, norm) instead, with no view.
 After the attention, the engine's ``after_layer`` hook (per-layer prompt compression) runs if it set one.
 """
 
@@ -46,6 +48,7 @@ from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
 from kvbench.kernels.decode_attention import decode_attention
+from kvbench.kernels.lut_attention import lut_attention
 from kvbench.kv import LOGIT_BIAS, AttentionStats
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
@@ -137,13 +140,19 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     """A pass over a layer that already holds tokens (this pass's tokens are written into it).
 
     A method that expands its stored slots (``Method.expand``) has attention read the expansion instead, over
-    its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots."""
+    its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots;
+    one query over members of stored slots (``Expansion.members``) attends from the slots (``lut_attention``)."""
     expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv)
+    wanted = plan.wanted & ATTENTION_STATS
+    q = query.shape[2]
+    if q == 1 and expansion is not None and expansion.members is not None:  # no view: members from their slots
+        members, kv = expansion.members, layer.kv
+        output, step = lut_attention(query, kv.keys, kv.values, kv.lengths, members.slot, members.norm, members.live,
+                                     scaling, want_step="step_attention" in wanted)
+        return output.transpose(1, 2), {} if step is None else {"step_attention": step}
     kv = layer.kv if expansion is None else expansion.kv
     static_shapes = plan.static_shapes or expansion is not None
-    wanted = plan.wanted & ATTENTION_STATS
     bias = kv.state.get(LOGIT_BIAS)
-    q = query.shape[2]
     if q == 1:
         aligned = None if static_shapes else layer.aligned
         if aligned is not None and bias is None and not wanted:

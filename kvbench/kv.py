@@ -8,7 +8,9 @@ the stored tensors: after a method returns, the storage is re-allocated at the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -330,16 +332,47 @@ class AttentionStats:
 
 
 @dataclass
+class CentreMembers:
+    """Expanded entries that share their stored slot's key direction (EMS "w.o. pos"): member j of the slot c
+    attends with the key ||k_j|| * unit(k_c) and the value v_c, so a one-query pass attends to them from the
+    stored slots themselves (``kernels.lut_attention``), with no view.
+
+    slot: (B, H_kv, E) long, the stored slot of every member's centre (0 where not live);
+    norm: (B, H_kv, E) float32, the member's key norm ||k_j||;
+    live: (B, H_kv, E) bool, whether the entry is a member whose centre is stored.
+    """
+
+    slot: Tensor
+    norm: Tensor
+    live: Tensor
+
+
+@dataclass
 class Expansion:
     """What the attention of a pass reads instead of a layer's stored slots (``Method.expand``).
 
-    kv:   the attended entries, left-aligned ragged rows (B, H_kv, C) with their lengths (no state, no tables).
-    slot: (B, H_kv, C) long, the stored slot each entry stands for: the pass's statistics over the entries
-          are summed onto it (``fold``), so the method sees them per stored slot as ever.
+    view:    () -> (kv, slot), the attended entries, built when a pass first reads ``kv`` or ``slot``:
+      kv:    left-aligned ragged rows (B, H_kv, C) with their lengths (no state, no tables);
+      slot:  (B, H_kv, C) long, the stored slot each entry stands for: the pass's statistics over the entries
+             are summed onto it (``fold``), so the method sees them per stored slot as ever.
+    members: the same entries as ``CentreMembers`` where they share their slot's key direction, or None: a
+             one-query pass then attends without building the view.
     """
 
-    kv: LayerKV
-    slot: Tensor
+    view: Callable[[], tuple[LayerKV, Tensor]]
+    members: CentreMembers | None = None
+
+    @cached_property
+    def _built(self) -> tuple[LayerKV, Tensor]:
+        return self.view()
+
+    @property
+    def kv(self) -> LayerKV:
+        return self._built[0]
+
+    @property
+    def slot(self) -> Tensor:
+        return self._built[1]
 
     def fold(self, stats: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
         """(B, H, C) statistics of the entries -> (B, H, capacity) of the stored slots; per-query-head ones

@@ -42,7 +42,11 @@ does not say; so members keep their norms exactly).
   keeps its newest members). The same rule applies to any compression (prefill chunks, multi-token passes).
   Expansion has static shapes (stored capacity + LUT size, masked, no host read), and a decode step evicts in
   place with the LUT rewritten in place (``evict_one``, ``kernels.ems_step``), so decode steps replay as CUDA
-  graphs.
+  graphs. "w.o. pos" needs no view at a decode step: a member's logit is its centre's times
+  rho_j = ||k_j|| / ||k_c||, so one query attends to the stored slots with slot c weighing
+  exp(l_c) + sum_j exp(rho_j l_c) (``kernels.lut_attention``, reading K and V once; the expansion's
+  ``CentreMembers``); passes of several queries, and "w. pos", read the view (``kernels.lut_expand``). The
+  members' centre slots are found by position at every pass (``_centre_slots``, a sort of the stored positions).
 - ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
   with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
@@ -90,7 +94,7 @@ from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
 from kvbench.kernels.similarity import unit_keys
-from kvbench.kv import LOGIT_BIAS, AttentionStats, Expansion, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, CentreMembers, Expansion, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
@@ -154,18 +158,24 @@ class EMS(Method):
     def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
         """Stored slots, then every LUT member as ||k_j|| * unit(key_c) ("w.o. pos": at the centre's RoPE
         position) or ||k_j|| * unit(RoPE_{p_j - p_c}(key_c)) ("w. pos": at its own), with its centre's value;
-        unused entries masked. Left-aligned over the static capacity T + E."""
+        unused entries masked. Left-aligned over the static capacity T + E, built only when a pass reads it:
+        "w.o. pos" also gives the members as such (``CentreMembers``), which a one-query pass attends from
+        the stored slots."""
         if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
             return None
-        position, centre = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE]
+        position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
         slot, live = self._centre_slots(kv)
-        member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself
-        if self.positions == "with":
-            centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1]))
-            member_keys = rotate(centre_keys, torch.where(live, position - centre, 0))
-        keys, values, positions, slots, lengths = expand_lut(kv.keys, kv.values, kv.positions, kv.lengths, slot,
-                                                             live, position, kv.tables[LUT_NORM], member_keys)
-        return Expansion(LayerKV(keys=keys, values=values, positions=positions, lengths=lengths), slots)
+
+        def view() -> tuple[LayerKV, Tensor]:
+            member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself
+            if self.positions == "with":
+                centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1]))
+                member_keys = rotate(centre_keys, torch.where(live, position - centre, 0))
+            keys, values, positions, slots, lengths = expand_lut(kv.keys, kv.values, kv.positions, kv.lengths, slot,
+                                                                 live, position, norm, member_keys)
+            return LayerKV(keys=keys, values=values, positions=positions, lengths=lengths), slots
+
+        return Expansion(view, CentreMembers(slot, norm, live) if self.positions == "without" else None)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
         valid = kv.valid()

@@ -1,5 +1,6 @@
-"""Compile EMS's expansion kernels (``kvbench.kernels.triton_lut_expand``) to PTX and cubin for sm_90 without a
-GPU, as ``ptx_check.py`` does for the fused decode steps (its launch stand-in). Run without TRITON_INTERPRET:
+"""Compile EMS's expansion kernels (``kvbench.kernels.triton_lut_expand``, ``triton_lut_attention``) to PTX and
+cubin for sm_90 without a GPU, as ``ptx_check.py`` does for the fused decode steps (its launch stand-in). Run
+without TRITON_INTERPRET:
     PYTHONPATH=. python tests/kernels/ptx_check_lut.py
 Prints the number of variants compiled; a compile error exits non-zero with Triton's message.
 """
@@ -17,7 +18,7 @@ from tests.kernels import ptx_check
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter does not compile"
     JITFunction.run = ptx_check.compile_instead_of_launch
-    from kvbench.kernels import triton_lut_expand
+    from kvbench.kernels import triton_lut_attention, triton_lut_expand
 
     B, H, T, E, D = 1, 8, 300, 900, 128
     keys, values = torch.randn(B, H, T, D).bfloat16(), torch.randn(B, H, T, D).bfloat16()
@@ -27,6 +28,9 @@ def main() -> None:
     for member_keys in (None, torch.randn(B, H, E, D).bfloat16()):
         triton_lut_expand.expand_lut(keys, values, positions, lengths, slot, live, *table, member_keys)
     triton_lut_expand.fold_entries(torch.rand(B, H, T + E), torch.zeros(B, H, T + E, dtype=torch.long), lengths, T)
+    for group in (1, 4):  # the members' attention, with and without its step attention
+        query = torch.randn(B, H * group, 1, D).bfloat16()
+        triton_lut_attention.lut_attention(query, keys, values, lengths, slot, table[1], live, 0.1, group == 4)
     print(f"{len(ptx_check.compiled)} kernel variants compiled for sm_90: {sorted(set(ptx_check.compiled))}")
 
 

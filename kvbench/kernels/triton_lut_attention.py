@@ -1,0 +1,214 @@
+"""Triton twin of ``lut_attention.lut_attention``: EMS's one-query attention over stored slots and LUT members
+in four launches, reading K once, V once and the table once, every launch split over slots or table entries
+(a program per (split, b, kv head), every query head of the GQA group a row of its tiles, as ``triton_decode``):
+
+1. ``_slot_logits``, over key splits: the stored logits l_c (B, H_q, T) float32 (-inf past the row's length),
+   the stored keys' norms (B, H, T) and each split's largest logit;
+2. ``_member_logits``, over table splits: the members' logits rho_j l_c, gathered from launch 1's buffers
+   (-inf where not live), and each split's largest;
+3. ``_member_weights``, over table splits: M, the largest logit of the row (from both launches' maxima), and
+   each member's weight exp(rho_j l_c - M) added onto its centre's slot (float32 atomic adds into a zeroed
+   (B, H_q, T) buffer, in any order, as ``fold_entries`` does);
+4. ``_weighted_values``, over key splits: W_c = exp(l_c - M) + the members' weights, the split's sum_c W_c v_c
+   and sum_c W_c (and W itself for the step attention, in launch 1's buffer); torch sums the splits and divides
+   (deterministic: no atomics in the output).
+A member pass of one program per row would loop over the whole table with dependent gathers (latency-bound
+at tens of thousands of entries); split, every launch is a few iterations per program. The grids depend on the
+storage's capacity and the table's size only: a captured CUDA graph replays while rows grow and shrink. Under
+the CPU interpreter, inputs are cast to float32 after loading (``triton_decode``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvbench.kernels.lut_attention import NORM_EPS
+from kvbench.kernels.triton_decode import DECODE_TILES, INTERPRETED, split_plan
+
+MEMBER_BLOCK = 1024  # table entries per program of launches 2 and 3
+
+
+@triton.jit
+def _row_max(slot_max_ptr, member_max_ptr, q_rows, head_ok, n_splits, n_member_splits,
+             BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SE: tl.constexpr):
+    """(BLOCK_M,) the largest logit of each query row over its key splits' and table splits' maxima (0 where
+    there is none: an empty row weighs nothing)."""
+    s, se = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_SE)
+    slot_max = tl.load(slot_max_ptr + q_rows[:, None] * n_splits + s[None, :],
+                       mask=head_ok[:, None] & (s[None, :] < n_splits), other=float("-inf"))
+    member_max = tl.load(member_max_ptr + q_rows[:, None] * n_member_splits + se[None, :],
+                         mask=head_ok[:, None] & (se[None, :] < n_member_splits), other=float("-inf"))
+    top = tl.maximum(tl.max(slot_max, 1), tl.max(member_max, 1))
+    return tl.where(top == float("-inf"), 0.0, top)
+
+
+@triton.jit
+def _slot_logits(
+    q_ptr, k_ptr, len_ptr, logit_ptr, norm_ptr, max_ptr,
+    sqb, sqh, sqd, skb, skh, skt, skd,
+    H, T, D, split_size, n_splits, scaling,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = row // H, row % H
+    heads = tl.arange(0, BLOCK_M)
+    head_ok = heads < GROUP
+    hq = h * GROUP + heads
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :] * sqd, mask=head_ok[:, None] & (d[None, :] < D),
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    length = tl.load(len_ptr + row)
+    start = split * split_size
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for n0 in range(start, tl.minimum(start + split_size, T), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        inside = cols < T
+        real = cols < length
+        k = tl.load(k_ptr + b * skb + h * skh + cols[:, None] * skt + d[None, :] * skd,
+                    mask=real[:, None] & (d[None, :] < D), other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+        s = tl.where(real[None, :], s, float("-inf"))
+        tl.store(logit_ptr + (b * H * GROUP + hq[:, None]) * T + cols[None, :], s,
+                 mask=head_ok[:, None] & inside[None, :])
+        top = tl.maximum(top, tl.max(s, 1))
+        kf = k.to(tl.float32)
+        tl.store(norm_ptr + row * T + cols, tl.sqrt(tl.sum(kf * kf, axis=1)), mask=inside)
+    tl.store(max_ptr + (row * GROUP + heads) * n_splits + split, top, mask=head_ok)
+
+
+@triton.jit
+def _member_logits(
+    logit_ptr, norm_ptr, slot_ptr, mnorm_ptr, live_ptr, mlogit_ptr, mmax_ptr,
+    T, E, n_member_splits, norm_eps,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)  # row: (b, kv head)
+    heads = tl.arange(0, BLOCK_M)
+    head_ok = heads < GROUP
+    q_rows = row * GROUP + heads  # (b, query head): H_q = GROUP * H, query head // GROUP = kv head
+    j = split * BLOCK_E + tl.arange(0, BLOCK_E)
+    live = tl.load(live_ptr + row * E + j, mask=j < E, other=0) != 0
+    slot = tl.load(slot_ptr + row * E + j, mask=live, other=0)
+    rho = tl.load(mnorm_ptr + row * E + j, mask=live, other=0.0) / \
+        tl.maximum(tl.load(norm_ptr + row * T + slot, mask=live, other=1.0), norm_eps)
+    both = head_ok[:, None] & live[None, :]
+    at_centre = tl.load(logit_ptr + q_rows[:, None] * T + slot[None, :], mask=both, other=0.0)
+    member = tl.where(both, rho[None, :] * at_centre, float("-inf"))
+    tl.store(mlogit_ptr + q_rows[:, None] * E + j[None, :], member, mask=head_ok[:, None] & (j[None, :] < E))
+    tl.store(mmax_ptr + q_rows * n_member_splits + split, tl.max(member, 1), mask=head_ok)
+
+
+@triton.jit
+def _member_weights(
+    slot_ptr, mlogit_ptr, smax_ptr, mmax_ptr, top_ptr, mweight_ptr,
+    T, E, n_splits, n_member_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_SE: tl.constexpr,
+):
+    split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    heads = tl.arange(0, BLOCK_M)
+    head_ok = heads < GROUP
+    q_rows = row * GROUP + heads
+    top = _row_max(smax_ptr, mmax_ptr, q_rows, head_ok, n_splits, n_member_splits, BLOCK_M, BLOCK_S, BLOCK_SE)
+    if split == 0:  # the row's M for launch 4
+        tl.store(top_ptr + q_rows, top, mask=head_ok)
+    j = split * BLOCK_E + tl.arange(0, BLOCK_E)
+    inside = head_ok[:, None] & (j[None, :] < E)
+    member = tl.load(mlogit_ptr + q_rows[:, None] * E + j[None, :], mask=inside, other=float("-inf"))
+    live = member > float("-inf")
+    slot = tl.load(slot_ptr + row * E + j, mask=j < E, other=0)
+    tl.atomic_add(mweight_ptr + q_rows[:, None] * T + slot[None, :], tl.exp(member - top[:, None]), mask=live)
+
+
+@triton.jit
+def _weighted_values(
+    v_ptr, logit_ptr, mweight_ptr, top_ptr, acc_ptr, sum_ptr,
+    svb, svh, svt, svd,
+    H, T, DV, split_size, n_splits,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WANT_STEP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = row // H, row % H
+    heads = tl.arange(0, BLOCK_M)
+    head_ok = heads < GROUP
+    q_rows = row * GROUP + heads  # (b, query head) rows of the buffers
+    top = tl.load(top_ptr + q_rows, mask=head_ok, other=0.0)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    start = split * split_size
+    for n0 in range(start, tl.minimum(start + split_size, T), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        inside = cols < T
+        at = q_rows[:, None] * T + cols[None, :]
+        tile = head_ok[:, None] & inside[None, :]
+        logit = tl.load(logit_ptr + at, mask=tile, other=float("-inf"))
+        weight = tl.exp(logit - top[:, None]) + tl.load(mweight_ptr + at, mask=tile, other=0.0)
+        total += tl.sum(weight, 1)
+        v = tl.load(v_ptr + b * svb + h * svh + cols[:, None] * svt + dv[None, :] * svd,
+                    mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc += tl.dot(weight.to(v.dtype), v, input_precision=PRECISION)
+        if WANT_STEP:  # W over launch 1's logits (this program read them last)
+            tl.store(logit_ptr + at, weight, mask=tile)
+    # partials laid out (b, split, query head): torch sums them over the splits
+    part = ((b * n_splits + split) * H + h) * GROUP + heads
+    tl.store(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=head_ok[:, None])
+    tl.store(sum_ptr + part, total, mask=head_ok)
+
+
+def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
+                  member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False,
+                  ) -> tuple[Tensor, Tensor | None]:
+    """Triton ``lut_attention.lut_attention``."""
+    B, Hq, _, D = query.shape
+    H, T, DV, E = keys.shape[1], keys.shape[2], values.shape[-1], member_slot.shape[-1]
+    group = Hq // H
+    block_m, block_d, block_dv = (max(16, triton.next_power_of_2(n)) for n in (group, D, DV))
+    block_n, warps, stages = DECODE_TILES
+    split_size, n_splits = split_plan(T, B * H, query.device)
+    n_member_splits = max(1, triton.cdiv(E, MEMBER_BLOCK))  # >= 1: launch 3's first split stores M
+    f32 = dict(dtype=torch.float32, device=query.device)
+    logits, norms = torch.empty(B, Hq, T, **f32), torch.empty(B, H, T, **f32)
+    slot_max, member_max = torch.empty(B, Hq, n_splits, **f32), torch.empty(B, Hq, n_member_splits, **f32)
+    member_logits, member_weights = torch.empty(B, Hq, E, **f32), torch.zeros(B, Hq, T, **f32)
+    top = torch.empty(B, Hq, **f32)
+    acc, sums = torch.empty(B, n_splits, Hq, block_dv, **f32), torch.empty(B, n_splits, Hq, **f32)
+    lengths, member_slot = lengths.contiguous(), member_slot.contiguous()
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    members = dict(GROUP=group, BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK)
+    maxima = dict(BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_SE=triton.next_power_of_2(n_member_splits))
+    _slot_logits[(n_splits, B * H)](
+        query, keys, lengths, logits, norms, slot_max, query.stride(0), query.stride(1), query.stride(3),
+        *keys.stride(), H, T, D, split_size, n_splits, scaling,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=INTERPRETED, PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )
+    _member_logits[(n_member_splits, B * H)](
+        logits, norms, member_slot, member_norm.float().contiguous(), live.to(torch.int8).contiguous(),
+        member_logits, member_max, T, E, n_member_splits, NORM_EPS, **members,
+    )
+    _member_weights[(n_member_splits, B * H)](
+        member_slot, member_logits, slot_max, member_max, top, member_weights, T, E, n_splits, n_member_splits,
+        **members, **maxima,
+    )
+    _weighted_values[(n_splits, B * H)](
+        values, logits, member_weights, top, acc, sums, *values.stride(), H, T, DV, split_size, n_splits,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv, WANT_STEP=want_step,
+        UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+    total = sums.sum(1).clamp(min=1e-30)  # (B, H_q): >= 1 on a row with a real slot
+    out = (acc.sum(1)[..., :DV] / total.unsqueeze(-1)).to(query.dtype).view(B, Hq, 1, DV)
+    if not want_step:
+        return out, None
+    return out, (logits / total.unsqueeze(-1)).view(B, H, group, T).mean(2)

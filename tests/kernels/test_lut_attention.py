@@ -1,0 +1,97 @@
+"""EMS's one-query attention over stored slots and LUT members (``kernels.lut_attention``): the Triton kernel
+against the torch reference on odd shapes (one slot, widths no multiple of the blocks, GQA, no table, no live
+member, every member on one centre, fp32/bf16), and the reference against the expanded view it replaces
+(``expand_lut``, ``decode_attention``, ``fold_entries``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.kernels.decode_attention import decode_attention
+from kvbench.kernels.dispatch import use_backend
+from kvbench.kernels.lut_attention import lut_attention
+from kvbench.kernels.lut_expand import expand_lut, fold_entries
+
+SHAPES = [  # B, H, group, T, E, D, D_v
+    (1, 1, 1, 1, 1, 4, 4),
+    (2, 3, 1, 37, 70, 12, 20),
+    (1, 2, 4, 300, 700, 64, 64),
+    (2, 2, 3, 65, 0, 16, 16),
+    (1, 2, 2, 130, 2100, 16, 8),  # a table of three member splits (``MEMBER_BLOCK``)
+]
+LAYOUTS = ("random", "one_centre", "none_live")
+
+
+def layer_case(B, H, group, T, E, D, DV, dtype, layout="random", seed=0):
+    """query (B, H * group, 1, D) and a layer of ragged rows (one of length 1) with its members: live at random
+    on centres in [0, length) (``random``), all live on slot 0 (``one_centre``), or none live."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(B, H * group, 1, D, generator=g).to(dtype)
+    keys = (torch.randn(B, H, T, D, generator=g) * 2).to(dtype)
+    values = torch.randn(B, H, T, DV, generator=g).to(dtype)
+    lengths = torch.randint(1, T + 1, (B, H), generator=g)
+    lengths.view(-1)[0] = 1
+    live = torch.rand(B, H, E, generator=g) < {"random": 0.6, "one_centre": 2.0, "none_live": -1.0}[layout]
+    slot = (torch.rand(B, H, E, generator=g) * lengths.unsqueeze(-1)).long()
+    if layout == "one_centre":
+        slot.zero_()
+    norm = torch.where(live, torch.rand(B, H, E, generator=g) * 3 * D ** 0.5, -1.0)
+    return query, keys, values, lengths, slot, norm, live
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_lut_attention_triton_matches_torch(shape, layout, dtype):
+    B, H, group, T, E, D, DV = shape
+    case = layer_case(*shape, dtype, layout)
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = lut_attention(*case, D ** -0.5, want_step=True)
+    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    assert o1.shape == (B, H * group, 1, DV) and o1.dtype == dtype and s1.shape == (B, H, T)
+    # float32 sums in another order; on bf16 the kernel rounds the probabilities to bf16 for the P @ V product
+    # (as triton_decode does): a bf16 rounding of the output at most
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2 ** -7}
+    torch.testing.assert_close(o1, o0, **tol)
+    torch.testing.assert_close(s1, s0, atol=1e-6, rtol=1e-5)
+    past_length = torch.arange(T) >= case[3].unsqueeze(-1)
+    assert torch.equal(s1[past_length], torch.zeros_like(s1[past_length]))
+    torch.testing.assert_close(s1.sum(-1), torch.ones(B, H), atol=1e-5, rtol=0)
+
+
+def test_lut_attention_without_step_returns_none():
+    case = layer_case(*SHAPES[1], torch.float32)
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            assert lut_attention(*case, 0.5)[1] is None
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3] + SHAPES[4:], ids=str)
+@pytest.mark.parametrize("layout", ("random", "one_centre"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_lut_attention_equals_the_expanded_view(shape, layout, dtype):
+    """The reference against today's path: the view's entries (members ||k_j|| unit(k_c) with v_c), one-query
+    attention over them, the step attention folded onto the stored slots. The view rounds each member key to
+    the cache dtype before the dot product (the reference scales the float32 logit instead): float32 agrees to
+    float32 rounding; bf16 to a 2^-8 relative error of each member's logit (a few 0.1% in its weight here: the
+    step attention within 2%), the output within one bf16 rounding."""
+    B, H, group, T, E, D, DV = shape
+    query, keys, values, lengths, slot, norm, live = layer_case(*shape, dtype, layout)
+    scaling = D ** -0.5
+    with use_backend("torch"):
+        out, step = lut_attention(query, keys, values, lengths, slot, norm, live, scaling, want_step=True)
+        positions = torch.arange(T).expand(B, H, T).contiguous()
+        view_keys, view_values, view_positions, view_slot, view_lengths = expand_lut(
+            keys, values, positions, lengths, slot, live, torch.where(live, 0, -1), norm)
+        view_out, view_step = decode_attention(query, view_keys, view_values, view_lengths, view_positions,
+                                               torch.full((B, 1), 10 * T), scaling, T + E, want_step=True)
+        view_step = fold_entries(view_step, view_slot, view_lengths, T)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, view_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step, view_step, atol=1e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out, view_out, atol=1e-2, rtol=2 ** -7)
+        torch.testing.assert_close(step, view_step, atol=1e-3, rtol=2e-2)
