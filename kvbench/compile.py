@@ -20,6 +20,7 @@ compilation ever runs inside a capture.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -56,6 +57,14 @@ def _compiled_call(module: nn.Module) -> Callable:
     if COMPILED_CALL not in module.__dict__:
         module.__dict__[COMPILED_CALL] = torch.compile(module._call_impl)
     return module.__dict__[COMPILED_CALL]
+
+
+@functools.cache
+def compiled_function(function: Callable) -> Callable:
+    """``function`` through torch.compile (inductor, no cudagraphs mode), compiled once per process: decode-time
+    work outside the model whose elementwise chain would otherwise launch a kernel per operation (EMS's raw keys
+    at every step: RoPE's cos, sin, rotate_half and products over every stored slot of every layer)."""
+    return torch.compile(function)
 
 
 @contextmanager

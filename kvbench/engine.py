@@ -41,7 +41,7 @@ from torch import Tensor
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
-from kvbench.compile import compile_enabled, compiled_decode
+from kvbench.compile import compile_enabled, compiled_decode, compiled_function
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
 from kvbench.kv import AttentionStats, LayerKV
@@ -234,7 +234,7 @@ class Session:
         due = self.due_rows() if compress else np.zeros(len(self.row_steps), bool)
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             for index, layer in enumerate(cache.layers):
-                stats = engine.with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs)
+                stats = engine.with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs, decoding=True)
                 method.observe(index, layer.kv, stats)
                 action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
                 if action == "in_place" and q == 1:
@@ -393,9 +393,15 @@ class Engine:
             cache.plan = None  # would keep the whole cache alive until the garbage collector runs
         return out.logits
 
-    def with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str]) -> AttentionStats:
+    def with_raw_keys(self, kv: LayerKV, stats: AttentionStats, needs: frozenset[str],
+                      decoding: bool = False) -> AttentionStats:
+        """``stats`` with the layer's raw (un-RoPE'd) keys where ``needs`` asks for them. ``decoding``: a decode
+        step's, through the compiled function when the engine compiles its steps (static shapes; every decode
+        step of a run, in place or through ``compress``, gets the same kernels; the last bit of a raw key may
+        differ from the eager one, as inductor keeps the float32 products it fuses)."""
         if "raw_keys" in needs:
-            stats.raw_keys = unrotate_keys(self.model, kv.keys, kv.positions)
+            unrotate = compiled_function(unrotate_keys) if decoding and self.compile_decode else unrotate_keys
+            stats.raw_keys = unrotate(self.model, kv.keys, kv.positions)
         return stats
 
     @staticmethod

@@ -3,6 +3,8 @@ is left as it was (plain ``model.generate`` and prompt passes never run compiled
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -84,3 +86,25 @@ def test_compiled_layers_replay_in_cuda_graphs(name):
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
     assert runner.replays > 0
+
+
+def test_decode_steps_unrotate_keys_through_the_compiled_function(tiny_model, monkeypatch):
+    """The wiring, without compiling: EMS's raw keys go through ``compiled_function(unrotate_keys)`` in decode
+    steps of a compiling engine only (prompt compression and a non-compiling engine run them eagerly)."""
+    from kvbench import engine as engine_module
+    from kvbench.attention import unrotate_keys
+    from kvbench.methods.ems import EMS
+
+    wrapped = []
+    monkeypatch.setattr(engine_module, "compiled_function", lambda fn: wrapped.append(fn) or fn)
+    monkeypatch.setattr(engine_module, "compiled_decode", lambda model, enabled: contextlib.nullcontext())
+    prompt = torch.randint(3, tiny_model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    for compile, expected in ((True, 2), (False, 0)):
+        wrapped.clear()
+        session = Engine(tiny_model, EMS(window=4), Budget("tokens", 12), compile=compile).prefill(
+            [prompt.tolist()], max_new_tokens=2)
+        assert wrapped == []  # prompt compression: eager
+        for _ in range(2):
+            session.feed(session.logits.argmax(-1).view(-1, 1))
+        assert len(wrapped) == expected * tiny_model.config.num_hidden_layers
+        assert set(wrapped) <= {unrotate_keys}

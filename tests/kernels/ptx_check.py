@@ -1,4 +1,4 @@
-"""Compile the fused decode-step kernels and Chelsea's prompt merge to PTX and cubin for an H100 (sm_90),
+"""Compile the fused decode-step kernels and Chelsea's prompt matching and merge to PTX and cubin for an H100 (sm_90),
 without a GPU.
 
 Triton's interpreter (what the CPU tests run) accepts code the compiler refuses (plain Python globals, some
@@ -49,7 +49,7 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter does not compile"
     JITFunction.run = compile_instead_of_launch
     from kvbench.kernels import triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe, triton_partner_merge
-    from kvbench.kernels import triton_weightedkv_step
+    from kvbench.kernels import triton_matching, triton_weightedkv_step
 
     B, H, C, D = 2, 8, 300, 128
     keys, values = torch.randn(B, H, C, D).bfloat16(), torch.randn(B, H, C, D).bfloat16()
@@ -78,6 +78,7 @@ def main() -> None:
     triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, torch.ones(B, dtype=torch.long))
     absorbed, partner = positions % 2 == 0, (positions | 1).clamp(max=C - 1)  # Chelsea's prompt merge
     triton_partner_merge.merge_into_partners(keys, values, positions, state[0], lengths, absorbed, partner, C // 2)
+    triton_matching.chunked_soft_matching(keys, torch.zeros(B, H, dtype=torch.long), lengths, 256)  # its edges
     print(f"{len(compiled)} kernel variants compiled for sm_90: {sorted(set(compiled))}")
 
 

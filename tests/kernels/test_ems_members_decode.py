@@ -27,7 +27,7 @@ class ViewEMS(EMS):
 
 def decode(model, method, steps: int = 12) -> tuple[list, list]:
     """Greedy steps from two ragged prompts: the logits of every step (B, V), and the final cache's layers."""
-    engine = Engine(model, method, Budget("tokens", 12))
+    engine = Engine(model, method, Budget("tokens", 12), compile=False)  # the counting wrapper reads the host
     session = engine.prefill(random_prompts([41, 30], model.config.vocab_size, 0), max_new_tokens=steps)
     logits = []
     for _ in range(steps):
