@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -47,6 +47,7 @@ from kvbench.hardware import free_memory_bytes
 
 log = logging.getLogger("kvbench")
 CPU_AUTO_BATCH = 8  # batch_size=auto on a CPU: decoding is compute-bound there, a larger batch gains little
+STEP_KINDS = ("replay", "capture", "warm-up", "eager")  # ``_Step.kind``, in the order the batch's log lists them
 AUTO_MARGIN = 0.05  # batch_size=auto: the share of the device's memory left free (graph pools, fragmentation)
 
 
@@ -105,6 +106,7 @@ class _Step:
     members: list[_Flight]  # the rows in flight when it was launched
     bytes_before: np.ndarray  # (R,) every row's K+V bytes before it
     end: Any  # CUDA event (or host time) after its tokens were copied out
+    kind: str  # "replay", "capture", "warm-up" or "eager" (``DecodeGraph.kind``; "eager" without graphs)
     start: Any = None  # CUDA event (or host time) before it, when the previous step's end does not bound it
 
 
@@ -143,7 +145,8 @@ class DecodeBatch:
         self.token_bytes = np.zeros(R)  # the K+V bytes of one token of each row (every layer and head)
         self.records: deque[_Step] = deque()  # launched steps whose tokens are not read yet
         self.launched = 0
-        self.replays = 0  # steps that were graph replays
+        self.steps_by_kind: Counter[str] = Counter()  # launched steps per ``_Step.kind``
+        self.seconds_by_kind: defaultdict[str, float] = defaultdict(float)  # their device seconds (read steps)
         self.clock = [0.0]  # device seconds of all decode steps up to step n (index n)
         self.share = [0.0]  # the same, each step's seconds divided among the rows it decoded
         self.last_end: Any = None
@@ -171,6 +174,11 @@ class DecodeBatch:
         """Free slots of ``point`` that no waiting row has claimed."""
         p = self.points[point]
         return self.slots - len(p.flights) - len(p.waiting)
+
+    @property
+    def replays(self) -> int:
+        """Steps that were graph replays."""
+        return self.steps_by_kind["replay"]
 
     @property
     def busy(self) -> bool:
@@ -202,9 +210,11 @@ class DecodeBatch:
         """Wait for the steps still running (their tokens are nobody's), release the captured graph and give the
         model its attention implementation back."""
         _sync(self.device)
-        if self.launched:  # why a batch decodes slower than its graph would: eager steps
-            log.info("decode batch of %d points x %d slots: %d steps, %d graph replays", len(self.points), self.slots,
-                     self.launched, self.replays)
+        if self.launched:  # why a batch decodes slower than its graph would: eager steps, captures, warm-ups
+            kinds = ", ".join(f"{self.steps_by_kind[kind]} {kind} {self.seconds_by_kind[kind]:.3f} s"
+                              for kind in STEP_KINDS if self.steps_by_kind[kind])
+            log.info("decode batch of %d points x %d slots: %d steps (%s)", len(self.points), self.slots,
+                     self.launched, kinds)
         self.records.clear()
         self._drop_runner()
         self.attachment.close()
@@ -307,13 +317,14 @@ class DecodeBatch:
         members = [flight for p in self.points for flight in p.flights.values()]
         bytes_before = self.row_bytes.copy()
         replayed = self.runner.step() if self.runner is not None else self._body(False)
+        kind = self.runner.kind if self.runner is not None else "eager"
         self.launched += 1
+        self.steps_by_kind[kind] += 1
         buffer = self.host_tokens[self.launched % len(self.host_tokens)]
         buffer.copy_(self.tokens.view(-1), non_blocking=True)
-        self.records.append(_Step(self.launched, members, bytes_before, self._mark(), start))
+        self.records.append(_Step(self.launched, members, bytes_before, self._mark(), kind, start))
         self.restart = False
         if replayed:
-            self.replays += 1
             self.row_bytes += self._replay_bytes()
         else:
             for point in self.points:
@@ -324,6 +335,7 @@ class DecodeBatch:
         """Read step ``record``'s tokens: every row it decoded takes its token, and the rows that stop leave."""
         members = [f for f in record.members if self.points[f.point].flights.get(f.row) is f]  # not stopped before
         seconds = self._seconds(record)
+        self.seconds_by_kind[record.kind] += seconds
         self.clock.append(self.clock[-1] + seconds)
         self.share.append(self.share[-1] + seconds / max(1, len(members)))
         tokens = self.host_tokens[record.number % len(self.host_tokens)].tolist()

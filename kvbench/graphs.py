@@ -51,26 +51,30 @@ class DecodeGraph:
         self.safe = 0  # replays known to take the captured decisions
         self.pending = 0  # replays whose host side is not applied yet
         self.replays = 0
+        self.kind = ""  # what the last step was: "replay", "capture", "warm-up" (eager, static shapes) or "eager"
 
     def step(self) -> bool:
         """One decode step; True when it was a replay whose host side is pending (``flush``)."""
+        self.kind = "replay"
         if self.safe > 0:  # known to take the captured step's decisions: no per-layer checks
             self._replay()
             return True
         self.flush()
         decisions = self._decisions()
         if decisions is None:  # a compression through Method.compress, or storage that must grow
-            self.warm = None
+            self.kind, self.warm = "eager", None
             self.body(False)
         elif decisions == self.captured:
             self._replay()
             self.flush()
             self.safe = self._safe_replays()
         elif decisions != self.warm and (signature := self._signature(decisions)) not in WARMED:
+            self.kind = "warm-up"
             self.body(True)
             self.warm = decisions
             WARMED.add(signature)
         else:
+            self.kind = "capture"
             self._capture(decisions)
         return False
 

@@ -4,7 +4,7 @@ The sweep's points (Hydra overrides, ``-m`` style: ``method=a,b budget=0.2``, wi
 alone one after the other (``runner.run``, as ``kvbench -m ... sweep.fuse=false`` runs them) under one fresh
 results root, then as one fused group (``kvbench.sweep.run_group``) under another. Walls are the runs' own
 ``wall_seconds`` (their samples' prefill, decoding and scoring; not the model load), after untimed warm-up
-runs (``warm_up``: compilation). Prints both walls, their ratio, the fused wall over the full cache's alone,
+runs (``warm_up``: compilation at the sweep's batch size, for every point). Prints both walls, their ratio, the fused wall over the full cache's alone,
 the share of predictions (per point and sample) that are identical, and per point its TTFT and in-run TPOT
 alone and fused; the runs' own output goes to stderr. Options:
 
@@ -61,12 +61,15 @@ def outputs(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return predictions, metrics
 
 
-def warm_up(cfgs: list, overrides: list[str], root: Path) -> None:
-    """Untimed: the first point alone on one batch of samples, then the group on one sample, so that the timed
-    runs find their decode steps compiled (``engine.compile``: a second batch size makes it dynamic)."""
+def warm_up(cfgs: list, overrides: list[str], root: Path, alone: bool = True) -> None:
+    """Untimed, as ``task=efficiency`` warms up before it times: every point alone on one batch of samples
+    (``alone``), then the group on one sample, so that the timed runs find their kernels compiled at the sweep's
+    batch size and at the group's (Triton specialises on a batch of 1, ``engine.compile`` compiles per shape)
+    and their decode steps warmed up (a timed batch captures its graph at its first step)."""
     batch = cfgs[0].batch_size if isinstance(cfgs[0].batch_size, int) else 1
-    runner.run(OmegaConf.merge(cfgs[0], {"limit": batch, "results_root": str(root / "alone")}))
-    release_memory()
+    for cfg in cfgs if alone else []:
+        runner.run(OmegaConf.merge(cfg, {"limit": batch, "results_root": str(root / "alone")}))
+        release_memory()
     if len(cfgs) > 1:
         run_fused([*(o for o in overrides if not o.startswith("limit=")), "limit=1"], root / "fused")
 
@@ -124,9 +127,11 @@ def main(argv: list[str]) -> int:
                 tpots = batch_one_tpot(cfgs)
             report_tpot(alone, fused, tpots, order)
         if args.wide:
-            shared = [o for o in overrides if not o.startswith(POINT_OVERRIDES)]
+            wide_overrides = [o for o in overrides if not o.startswith(POINT_OVERRIDES)] + args.wide.split()
             with redirect_stdout(sys.stderr):
-                wide = run_fused(shared + args.wide.split(), tmp / "wide")
+                warm_up(points(wide_overrides, tmp / "warm-up-wide"), wide_overrides, tmp / "warm-up-wide",
+                        alone=False)
+                wide = run_fused(wide_overrides, tmp / "wide")
             report_wide(args.wide, alone, wide)
     return 0
 
@@ -162,8 +167,22 @@ def report_wide(points_: str, alone, wide) -> None:
     if full is not None:
         line += f"; / full cache alone: {float(first['wall_seconds']) / full:.3f} (GPU target <= 6 for 36 points)"
     print(line)
+    print("  " + breakdown(wide))
     if alone is not None:
         print(f"  of its runs also run alone: {identical(alone, wide)}")
+
+
+def breakdown(runs) -> str:
+    """Where a fused group's wall went, from its rows' own clocks: the shared prompt passes (per prompt, a
+    row's prefill without its own compression and suffix, least over the points; the group prefills a prompt
+    once per chunk of points that fit memory), the points' prompt compressions, and decoding (every row's share
+    of the decode steps)."""
+    predictions = runs[0]
+    own = predictions["compress_seconds"]
+    passes = (predictions["prefill_seconds"] - own).groupby(predictions["sample_id"]).min().sum()
+    return (f"shared prompt passes {passes:.2f} s (once per chunk of points: more where the chunks are several), "
+            f"prompt compressions {own.sum():.2f} s ({predictions['run_id'].nunique()} points), "
+            f"decode steps {predictions['decode_seconds'].sum():.2f} s, wall {float(runs[1].iloc[0]['wall_seconds']):.2f} s")
 
 
 def identical(alone, fused) -> str:

@@ -58,7 +58,7 @@ decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host g
 sweep)  # fused sweeps (issue 22), one process: the 6-point sweep alone and fused, the 36-point sweep fused,
         # batch-1 TPOT; NIAH 16k, 8 depths, 30 new tokens, batch 8 (model: the first argument). The runs' own
         # output goes to bench_sweep_runs.log
-  timeout 470 python3 -m scripts.bench_sweep --tpot \
+  timeout 530 python3 -m scripts.bench_sweep --tpot \
     --wide "method=full,streamingllm,h2o,snapkv,pyramidkv,tova,cam,d2o,kvmerger,ems,weightedkv,chelsea budget=0.2,0.35,0.5" \
     model=${1:-llama3.1-8b-shape-random} task=niah 'task.context_lengths=[16000]' \
     'task.depths=[0,14,29,43,57,71,86,100]' batch_size=8 method=full,streamingllm,snapkv,tova,h2o,chelsea budget=0.2 \

@@ -3,6 +3,8 @@ of the fused sweeps predicts what it predicts alone."""
 
 from __future__ import annotations
 
+import re
+
 SWEEP = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[128]", "task.depths=[0,100]",
          "batch_size=2", "method=full,h2o", "budget=0.2"]
 
@@ -22,4 +24,8 @@ def test_a_tiny_sweep_reports_its_walls_ratios_and_identical_predictions(capsys)
         "| full full", "| h2o 0.2"]  # batch-1 TPOT
     [wide] = [line for line in out if line.startswith("wide sweep")]
     assert "5 runs fused" in wide and "/ full cache alone: " in wide  # full's two budgets are one run
+    [parts] = [line for line in out if line.startswith("  shared prompt passes ")]
+    seconds = [float(number) for number in re.findall(r"\d+(?:\.\d+)?", parts)]
+    passes, compressions, points, decode, wall = seconds  # each part of the group's wall is inside it
+    assert points == 5 and min(passes, compressions, decode) > 0 and passes + compressions + decode < wall
     assert "  of its runs also run alone: identical predictions: 4 / 4 (100.0 %)" in out

@@ -193,10 +193,12 @@ class ReplayedOnTheHost:
 
 
 @pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea_interval4"])
-def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, name, monkeypatch):
+def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, name, monkeypatch, caplog):
     """The graph runner's bookkeeping on a CPU (captures replayed on the host): decisions, steps known safe, the
-    host side applied lazily, bytes read per step; every row as alone, and steps replayed."""
+    host side applied lazily, bytes read per step; every row as alone, and steps replayed; the batch's log
+    line counts its steps by kind."""
     import contextlib
+    import logging
 
     from kvbench import graphs
     from tests.golden.record import CASES as GOLDEN_CASES, build_method
@@ -226,7 +228,8 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
 
         batch._build_runner = keep_runner
         requests = [DecodeRequest(n) for n in (14, 5, 9, 14, 7, 11)]
-        got = run(batch, [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
+        with caplog.at_level(logging.INFO, logger="kvbench"):
+            got = run(batch, [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
         want = [alone(engine, p, r) for p, r in zip(prompts, requests)]
     for tag, row in enumerate(want):
         assert got[tag].tokens == row.tokens, f"row {tag}"
@@ -234,6 +237,12 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
         assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean)
     # rows that joined at different times compress at different steps (intervals count per row): those run eagerly
     assert batch.replays > (0 if method.decode_interval > 1 else batch.launched / 3)
+    kinds = batch.steps_by_kind
+    assert sum(kinds.values()) == batch.launched and kinds["warm-up"] >= 1 and kinds["capture"] >= 1
+    assert set(batch.seconds_by_kind) == set(kinds) and min(batch.seconds_by_kind.values()) > 0
+    counted = ", ".join(f"{kinds[k]} {k} {batch.seconds_by_kind[k]:.3f} s" for k in ("replay", "capture", "warm-up",
+                                                                                      "eager") if kinds[k])
+    assert f"decode batch of 1 points x 3 slots: {batch.launched} steps ({counted})" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["full", "h2o", "d2o"])  # per-layer prefill, in-place decode, deferred budgets
