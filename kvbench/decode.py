@@ -214,7 +214,8 @@ class DecodeBatch:
             kinds = ", ".join(f"{self.steps_by_kind[kind]} {kind} {self.seconds_by_kind[kind]:.3f} s"
                               for kind in STEP_KINDS if self.steps_by_kind[kind])
             log.info("decode batch of %d points x %d slots: %d steps (%s)", len(self.points), self.slots,
-                     self.launched, kinds)
+                     self.launched, kinds, extra={"steps_by_kind": dict(self.steps_by_kind),
+                                                  "seconds_by_kind": dict(self.seconds_by_kind)})
         self.records.clear()
         self._drop_runner()
         self.attachment.close()

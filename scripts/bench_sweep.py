@@ -4,15 +4,20 @@ The sweep's points (Hydra overrides, ``-m`` style: ``method=a,b budget=0.2``, wi
 alone one after the other (``runner.run``, as ``kvbench -m ... sweep.fuse=false`` runs them) under one fresh
 results root, then as one fused group (``kvbench.sweep.run_group``) under another. Walls are the runs' own
 ``wall_seconds`` (their samples' prefill, decoding and scoring; not the model load), after untimed warm-up
-runs (``warm_up``: compilation at the sweep's batch size, for every point). Prints both walls, their ratio, the fused wall over the full cache's alone,
-the share of predictions (per point and sample) that are identical, and per point its TTFT and in-run TPOT
-alone and fused; the runs' own output goes to stderr. Options:
+runs (``warm_up``: compilation at the sweep's batch size, for every point). Prints both walls, their ratio, the
+fused wall over the full cache's alone, the share of predictions (per point and sample) that are identical, and
+per point its TTFT and in-run TPOT alone and fused; the runs' own output goes to stderr. Options:
 
 * ``--alone M,N``: only these methods run alone (``none``: none); the one-after-the-other ratio needs all;
 * ``--wide "method=... budget=..."``: a second sweep of the same settings with these points, run fused only,
   its wall over the full cache's alone;
 * ``--tpot``: each method's batch-1 TPOT on the first sample's prompt (``engine.generate`` of one prompt with
-  no stop token, as ``task=efficiency`` times it), against its in-run TPOT at the sweep's ``batch_size``.
+  no stop token, as ``task=efficiency`` times it), against its in-run TPOT at the sweep's ``batch_size``; and
+  the same two for the replayed steps alone (a decode batch's log record: its steps and device seconds by
+  kind), without the step that captures the batch's graph (once per decode batch: a run's, a ``generate``'s).
+
+The wide sweep runs twice: cold (its first run in the process: compilation of its points' kernels at its batch
+and table shapes included) and warm (the wall its ratio uses).
 
     python -m scripts.bench_sweep         # CPU: SmolLM2-135M, NIAH default, 4 points (full, StreamingLLM, SnapKV, H2O)
 
@@ -28,7 +33,7 @@ import argparse
 import logging
 import sys
 import tempfile
-from contextlib import redirect_stdout
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import pandas as pd
@@ -61,13 +66,13 @@ def outputs(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return predictions, metrics
 
 
-def warm_up(cfgs: list, overrides: list[str], root: Path, alone: bool = True) -> None:
-    """Untimed, as ``task=efficiency`` warms up before it times: every point alone on one batch of samples
-    (``alone``), then the group on one sample, so that the timed runs find their kernels compiled at the sweep's
-    batch size and at the group's (Triton specialises on a batch of 1, ``engine.compile`` compiles per shape)
-    and their decode steps warmed up (a timed batch captures its graph at its first step)."""
+def warm_up(cfgs: list, overrides: list[str], root: Path) -> None:
+    """Untimed, as ``task=efficiency`` warms up before it times: every point alone on one batch of samples, then
+    the group on one sample, so that the timed runs find their kernels compiled at the sweep's batch size and at
+    the group's (Triton specialises on a batch of 1, ``engine.compile`` compiles per shape) and their decode
+    steps warmed up (a timed batch then captures its graph at its first step)."""
     batch = cfgs[0].batch_size if isinstance(cfgs[0].batch_size, int) else 1
-    for cfg in cfgs if alone else []:
+    for cfg in cfgs:
         runner.run(OmegaConf.merge(cfg, {"limit": batch, "results_root": str(root / "alone")}))
         release_memory()
     if len(cfgs) > 1:
@@ -84,8 +89,41 @@ def run_fused(overrides: list[str], root: Path) -> tuple[pd.DataFrame, pd.DataFr
     return outputs(root)
 
 
-def batch_one_tpot(cfgs: list) -> dict[str, float]:
-    """Per method (one engine per point, on one model): TPOT of the first sample's prompt decoded alone."""
+class DecodeBatches(logging.Handler):
+    """The decode batches' log records (``DecodeBatch.close``) while it is attached: their steps and device
+    seconds by kind."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.batches: list[tuple[dict, dict]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "steps_by_kind"):
+            self.batches.append((record.steps_by_kind, record.seconds_by_kind))
+
+    def replayed_step_seconds(self) -> float:
+        """Device seconds per replayed step of the last batch (nan if none replayed)."""
+        steps, seconds = self.batches[-1] if self.batches else ({}, {})
+        return seconds.get("replay", 0.0) / steps["replay"] if steps.get("replay") else float("nan")
+
+
+@contextmanager
+def decode_batches():
+    handler = DecodeBatches()
+    logger = logging.getLogger("kvbench")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))  # the records reach the handler
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def batch_one_tpot(cfgs: list) -> dict[str, tuple[float, float]]:
+    """Per method (one engine per point, on one model): TPOT of the first sample's prompt decoded alone, and its
+    replayed steps' device seconds per step."""
     cfg = cfgs[0]
     runner.prepare(cfg)
     lm, task = models.load(cfg.model), runner.build_task(cfg)
@@ -94,7 +132,9 @@ def batch_one_tpot(cfgs: list) -> dict[str, float]:
     for point in cfgs:
         engine = runner.build_engine(point, lm, *runner.build_method(point))
         label = runner.run_labels(point)
-        tpots[f"{label['method']} {label['budget']}"] = in_run_tpot(engine, call.contexts, call.max_new_tokens, 1)
+        with decode_batches() as batches:
+            tpot = in_run_tpot(engine, call.contexts, call.max_new_tokens, 1)
+        tpots[f"{label['method']} {label['budget']}"] = (tpot, batches.replayed_step_seconds())
     del lm, engine
     release_memory()
     return tpots
@@ -113,9 +153,12 @@ def main(argv: list[str]) -> int:
         cfgs = points(overrides, tmp / "alone")
         with redirect_stdout(sys.stderr):  # the runs' progress and tables; stdout is the report's
             warm_up(cfgs, overrides, tmp / "warm-up")
+            replayed = {}  # run id -> its decode batch's replayed step seconds
             for cfg in cfgs:
                 if args.alone == "all" or runner.method_name(cfg) in args.alone.split(","):
-                    runner.run(cfg)
+                    with decode_batches() as batches:
+                        runner.run(cfg)
+                    replayed[store.run_id(runner.result_config(cfg))] = batches.replayed_step_seconds()
                     release_memory()
             alone = outputs(tmp / "alone") if (tmp / "alone" / "metrics.parquet").exists() else None
             fused = run_fused(overrides, tmp / "fused")
@@ -125,14 +168,13 @@ def main(argv: list[str]) -> int:
         if args.tpot:  # before the wide sweep, the longest part
             with redirect_stdout(sys.stderr):
                 tpots = batch_one_tpot(cfgs)
-            report_tpot(alone, fused, tpots, order)
+            report_tpot(alone, fused, tpots, replayed, order)
         if args.wide:
             wide_overrides = [o for o in overrides if not o.startswith(POINT_OVERRIDES)] + args.wide.split()
-            with redirect_stdout(sys.stderr):
-                warm_up(points(wide_overrides, tmp / "warm-up-wide"), wide_overrides, tmp / "warm-up-wide",
-                        alone=False)
+            with redirect_stdout(sys.stderr):  # cold: the same sweep first, its kernels compiled inside it
+                cold = run_fused(wide_overrides, tmp / "wide-cold")
                 wide = run_fused(wide_overrides, tmp / "wide")
-            report_wide(args.wide, alone, wide)
+            report_wide(args.wide, alone, wide, cold)
     return 0
 
 
@@ -160,9 +202,10 @@ def report(overrides: list[str], alone, fused, complete: bool) -> None:
         print(identical(alone, fused))
 
 
-def report_wide(points_: str, alone, wide) -> None:
+def report_wide(points_: str, alone, wide, cold) -> None:
     first = wide[1].iloc[0]
-    line = f"wide sweep ({points_}): {len(wide[1])} runs fused: {float(first['wall_seconds']):.2f} s"
+    line = (f"wide sweep ({points_}): {len(wide[1])} runs fused: {float(first['wall_seconds']):.2f} s "
+            f"(its first run, compiling: {float(cold[1].iloc[0]['wall_seconds']):.2f} s)")
     full = full_alone_wall(alone)
     if full is not None:
         line += f"; / full cache alone: {float(first['wall_seconds']) / full:.3f} (GPU target <= 6 for 36 points)"
@@ -207,15 +250,20 @@ def report_points(alone, fused, order: list[str]) -> None:
         print(f"| {run['method']} {run['budget']} | " + " | ".join(cells) + " |", flush=True)
 
 
-def report_tpot(alone, fused, tpots: dict[str, float], order: list[str]) -> None:
-    """Per point (run ids in ``order``): batch-1 TPOT, and the in-run TPOTs (at the sweep's batch size) over it."""
-    print("| point | TPOT batch 1 ms | in-run alone / batch 1 (target <= 1.3) | in-run fused / batch 1 |")
-    print("|---|---:|---:|---:|")
+def report_tpot(alone, fused, tpots: dict[str, tuple[float, float]], replayed: dict[str, float],
+                order: list[str]) -> None:
+    """Per point (run ids in ``order``): batch-1 TPOT, and the in-run TPOTs (at the sweep's batch size) over it;
+    then a replayed step at batch 1 and in the run alone, and their ratio (the steady step, without the
+    batch's capture)."""
+    print("| point | TPOT batch 1 ms | in-run alone / batch 1 (target <= 1.3) | in-run fused / batch 1 "
+          "| replayed step batch 1 ms | replayed step in-run alone ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for rid, run in fused[1].loc[order].iterrows():
-        solo, one = solo_run(alone, rid), tpots[f"{run['method']} {run['budget']}"]
+        solo, (one, one_step) = solo_run(alone, rid), tpots[f"{run['method']} {run['budget']}"]
         ratio = "-" if solo is None else f"{solo['tpot_seconds'] / one:.2f}"
-        print(f"| {run['method']} {run['budget']} | {1e3 * one:.2f} | {ratio} | {run['tpot_seconds'] / one:.2f} |",
-              flush=True)
+        step = replayed.get(rid, float("nan"))
+        print(f"| {run['method']} {run['budget']} | {1e3 * one:.2f} | {ratio} | {run['tpot_seconds'] / one:.2f} "
+              f"| {1e3 * one_step:.2f} | {1e3 * step:.2f} | {step / one_step:.2f} |", flush=True)
 
 
 def solo_run(alone, rid: str):
