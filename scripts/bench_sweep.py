@@ -223,9 +223,10 @@ def breakdown(runs) -> str:
     predictions = runs[0]
     own = predictions["compress_seconds"]
     passes = (predictions["prefill_seconds"] - own).groupby(predictions["sample_id"]).min().sum()
+    wall = float(runs[1].iloc[0]["wall_seconds"])
     return (f"shared prompt passes {passes:.2f} s (once per chunk of points: more where the chunks are several), "
             f"prompt compressions {own.sum():.2f} s ({predictions['run_id'].nunique()} points), "
-            f"decode steps {predictions['decode_seconds'].sum():.2f} s, wall {float(runs[1].iloc[0]['wall_seconds']):.2f} s")
+            f"decode steps {predictions['decode_seconds'].sum():.2f} s, wall {wall:.2f} s")
 
 
 def identical(alone, fused) -> str:

@@ -55,8 +55,8 @@ bench)  # kernel timings, torch vs Triton
     2>&1 | tail -40 ;;
 decode)  # the decode loop: in-run TPOT of ragged batches vs batch 1, the host gap, points in one step
   timeout 560 python3 -m scripts.bench_decode_loop "$@" 2>&1 | tee $work/decode_loop.md | grep -vE "^Loading" ;;
-sweep)  # fused sweeps (issue 22), one process: the 6-point sweep alone and fused, the 36-point sweep fused (cold, then warm),
-        # batch-1 TPOT; NIAH 16k, 8 depths, 30 new tokens, batch 8 (model: the first argument). The runs' own
+sweep)  # fused sweeps (issue 22), one process: the 6-point sweep alone and fused, the 36-point sweep fused
+        # (cold, then warm), batch-1 TPOT; NIAH 16k, 8 depths, 30 new tokens, batch 8 (model: the first argument). The runs' own
         # output goes to bench_sweep_runs.log
   timeout 530 python3 -m scripts.bench_sweep --tpot \
     --wide "method=full,streamingllm,h2o,snapkv,pyramidkv,tova,cam,d2o,kvmerger,ems,weightedkv,chelsea budget=0.2,0.35,0.5" \
