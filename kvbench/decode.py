@@ -14,10 +14,11 @@ while the device runs step k+1, so a row that stopped is computed once more and 
 
 A slot that no row waits for keeps stepping harmlessly: a method that compresses while decoding keeps its old
 row at the budget; for the others the row is emptied (it would grow) and emptied again before it could
-outgrow the storage. Storage grows to what every admitted row needs (``Engine.planned_capacities``: budget +
-decode interval, or + max_new_tokens for prompt-only methods), which re-captures a replayed step, so
-``decode_prompts`` admits the longest prompts first. With ``engine.cuda_graphs`` the whole step, every point
-included, is replayed as one CUDA graph (``kvbench.graphs``).
+outgrow the storage. Storage is allocated for the first row (``Engine.batch_capacities``: budget + decode
+interval, or + max_new_tokens for prompt-only methods, with room where the data decides a layer's size) and
+grows to what every admitted row needs, which re-captures a replayed step, so ``decode_prompts`` admits the
+longest prompts first. With ``engine.cuda_graphs`` the whole step, every point included, is replayed as one
+CUDA graph (``kvbench.graphs``).
 
 Timing without synchronising: a step's device time runs from the previous step's end event to its own (from its
 own start after an admission, so prompt passes are not counted), read when its tokens are. A row's TPOT is the
@@ -147,6 +148,7 @@ class DecodeBatch:
         self.launched = 0
         self.steps_by_kind: Counter[str] = Counter()  # launched steps per ``_Step.kind``
         self.seconds_by_kind: defaultdict[str, float] = defaultdict(float)  # their device seconds (read steps)
+        self.capture_host: Counter[str] = Counter()  # host seconds of the captures (``DecodeGraph.capture_host``)
         self.clock = [0.0]  # device seconds of all decode steps up to step n (index n)
         self.share = [0.0]  # the same, each step's seconds divided among the rows it decoded
         self.last_end: Any = None
@@ -210,14 +212,18 @@ class DecodeBatch:
         """Wait for the steps still running (their tokens are nobody's), release the captured graph and give the
         model its attention implementation back."""
         _sync(self.device)
+        self.records.clear()
+        self._drop_runner()
         if self.launched:  # why a batch decodes slower than its graph would: eager steps, captures, warm-ups
             kinds = ", ".join(f"{self.steps_by_kind[kind]} {kind} {self.seconds_by_kind[kind]:.3f} s"
                               for kind in STEP_KINDS if self.steps_by_kind[kind])
+            if self.capture_host:  # what a capture's seconds are made of on the host
+                kinds += "; captures on the host: " + ", ".join(
+                    f"{phase} {seconds:.3f} s" for phase, seconds in self.capture_host.items())
             log.info("decode batch of %d points x %d slots: %d steps (%s)", len(self.points), self.slots,
                      self.launched, kinds, extra={"steps_by_kind": dict(self.steps_by_kind),
-                                                  "seconds_by_kind": dict(self.seconds_by_kind)})
-        self.records.clear()
-        self._drop_runner()
+                                                  "seconds_by_kind": dict(self.seconds_by_kind),
+                                                  "capture_host_seconds": dict(self.capture_host)})
         self.attachment.close()
         self.attached = False
 
@@ -275,7 +281,8 @@ class DecodeBatch:
             request = point.flights[rows[0]].request  # the same for every slot of a group
             capacities = engine.planned_capacities(row, request.max_new_tokens)
             if point.session is None:
-                point.session = Session.allocate(row, self.slots, capacities)
+                storage = engine.batch_capacities(row, request.max_new_tokens)
+                point.session = Session.allocate(row, self.slots, storage)
                 if engine.method.compress_during_decode:  # free slots hold copies: every row alike at its budget
                     point.session.place(list(range(self.slots)), row, capacities)
                 self._drop_runner()
@@ -420,6 +427,8 @@ class DecodeBatch:
     def _drop_runner(self) -> None:
         """Forget the step's graph (the set of points or the step's kernels change); its host side first."""
         self._flush()
+        if self.runner is not None:
+            self.capture_host += self.runner.capture_host
         self.runner = self.composite = None
         self.built = False
 
@@ -531,7 +540,7 @@ def storage_bytes_per_row(engine: Engine, row: Session, max_new_tokens: int) -> 
     """Bytes one slot of ``engine``'s storage takes when it is planned for ``row`` (keys, values, positions,
     per-slot state, tables)."""
     total = 0
-    for layer, capacity in zip(row.cache.layers, engine.planned_capacities(row, max_new_tokens)):
+    for layer, capacity in zip(row.cache.layers, engine.batch_capacities(row, max_new_tokens)):
         kv, heads = layer.kv, layer.kv.lengths.shape[1]
         per_slot = kv.slot_bytes + kv.positions.element_size() + 4 * len(kv.state)
         total += heads * (capacity * per_slot + kv.table_bytes)
@@ -556,7 +565,7 @@ def auto_batch_size(engine: Engine, row: Session, request: DecodeRequest, rows: 
     At most ``rows``; on a CPU at most ``CPU_AUTO_BATCH``."""
     if engine.device.type != "cuda":
         return max(1, min(rows, CPU_AUTO_BATCH))
-    capacity = max(engine.planned_capacities(row, request.max_new_tokens))
+    capacity = max(engine.batch_capacities(row, request.max_new_tokens))
     per_row = storage_bytes_per_row(engine, row, request.max_new_tokens) + step_activation_bytes_per_row(engine,
                                                                                                           capacity)
     prompt_pass = torch.cuda.max_memory_allocated(engine.device) - torch.cuda.memory_allocated(engine.device)

@@ -50,6 +50,7 @@ from kvbench.methods.base import Method
 
 POSITION_MODES = ("original", "cache_length")
 DECODE_PATHS = ("in_place", "compress")
+DATA_DRIVEN_HEADROOM = 0.25  # a decode batch's room for later rows, at points whose layer sizes the data decides
 
 
 def _sync(device: torch.device) -> None:
@@ -554,6 +555,22 @@ class Engine:
             else:
                 capacities.append(length + max_new_tokens)
         return capacities
+
+    def batch_capacities(self, row: Session, max_new_tokens: int) -> list[int]:
+        """Slots every layer of a decode batch's storage gets when ``row``, its longest prompt, allocates it:
+        what ``row`` needs (``planned_capacities``), which no later, shorter prompt's row exceeds, except at a
+        method whose per-layer size the prompt's content decides (D2O's layer budgets, KVMerger's thresholds:
+        ``Method.budget_needs``, not ``keeps_within_budget``). Growing storage under a running batch
+        re-captures its graph and compiles kernels for the new shapes, so such a method's layers get
+        ``DATA_DRIVEN_HEADROOM`` of the row's mean layer size more, never more than the row's uncompressed
+        prompt, suffix and new tokens would fill."""
+        planned = self.planned_capacities(row, max_new_tokens)
+        if not self.method.budget_needs and self.method.keeps_within_budget:
+            return planned
+        suffix = row.cache.layers[0].longest - int(row.prefill_lengths[0, 0].max())
+        limit = row.prompt_lengths[0] + suffix + max_new_tokens
+        room = int(DATA_DRIVEN_HEADROOM * sum(planned) / len(planned))
+        return [max(capacity, min(capacity + room, limit)) for capacity in planned]
 
     def _plan_capacity(self, session: Session, extra: int, max_new_tokens: int) -> None:
         """Re-allocate every layer once for what comes next (``planned_capacities``)."""

@@ -20,6 +20,9 @@ eager compressions only).
 
 from __future__ import annotations
 
+import functools
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,12 @@ if TYPE_CHECKING:
 
 # signatures (``DecodeGraph._signature``) of steps that ran eagerly with static shapes in this process
 WARMED: set[tuple] = set()
+
+
+@functools.cache
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream every capture records on (a capture cannot record on the default stream), one per process."""
+    return torch.cuda.Stream()
 
 
 class DecodeGraph:
@@ -52,6 +61,7 @@ class DecodeGraph:
         self.pending = 0  # replays whose host side is not applied yet
         self.replays = 0
         self.kind = ""  # what the last step was: "replay", "capture", "warm-up" (eager, static shapes) or "eager"
+        self.capture_host: Counter[str] = Counter()  # host seconds of its captures: "recording", "instantiating"
 
     def step(self) -> bool:
         """One decode step; True when it was a replay whose host side is pending (``flush``)."""
@@ -104,11 +114,22 @@ class DecodeGraph:
         self.safe -= 1
 
     def _capture(self, decisions: tuple) -> None:
+        """Record one step into a new graph. Not through ``torch.cuda.graph``, which empties the allocator's caches
+        before every capture: the memory a prompt pass had cached would be given back to the driver and
+        allocated again by the next pass, a cost of every decode batch."""
         before = [[layer.host_lengths.copy() for layer in s.cache.layers] for s in self.sessions]
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.body(True)  # recorded, not run: host side only
+        start = time.perf_counter()
+        with torch.cuda.stream(capture_stream()):
+            self.graph.capture_begin()
+            try:
+                self.body(True)  # recorded, not run: host side only
+            finally:
+                recorded = time.perf_counter()
+                self.graph.capture_end()
+        self.capture_host["recording"] += recorded - start
+        self.capture_host["instantiating"] += time.perf_counter() - recorded
         self.delta, self.bytes_delta = [], []
         for session, lengths in zip(self.sessions, before):
             deltas = [layer.host_lengths - b for layer, b in zip(session.cache.layers, lengths)]

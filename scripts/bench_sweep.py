@@ -96,10 +96,12 @@ class DecodeBatches(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.batches: list[tuple[dict, dict]] = []
+        self.lines: list[str] = []  # their log lines (steps by kind; what the captures took on the host)
 
     def emit(self, record: logging.LogRecord) -> None:
         if hasattr(record, "steps_by_kind"):
             self.batches.append((record.steps_by_kind, record.seconds_by_kind))
+            self.lines.append(record.getMessage())
 
     def replayed_step_seconds(self) -> float:
         """Device seconds per replayed step of the last batch (nan if none replayed)."""
@@ -173,8 +175,9 @@ def main(argv: list[str]) -> int:
             wide_overrides = [o for o in overrides if not o.startswith(POINT_OVERRIDES)] + args.wide.split()
             with redirect_stdout(sys.stderr):  # cold: the same sweep first, its kernels compiled inside it
                 cold = run_fused(wide_overrides, tmp / "wide-cold")
-                wide = run_fused(wide_overrides, tmp / "wide")
-            report_wide(args.wide, alone, wide, cold)
+                with decode_batches() as batches:
+                    wide = run_fused(wide_overrides, tmp / "wide")
+            report_wide(args.wide, alone, wide, cold, batches.lines)
     return 0
 
 
@@ -202,7 +205,7 @@ def report(overrides: list[str], alone, fused, complete: bool) -> None:
         print(identical(alone, fused))
 
 
-def report_wide(points_: str, alone, wide, cold) -> None:
+def report_wide(points_: str, alone, wide, cold, batch_lines: list[str]) -> None:
     first = wide[1].iloc[0]
     line = (f"wide sweep ({points_}): {len(wide[1])} runs fused: {float(first['wall_seconds']):.2f} s "
             f"(its first run, compiling: {float(cold[1].iloc[0]['wall_seconds']):.2f} s)")
@@ -211,6 +214,9 @@ def report_wide(points_: str, alone, wide, cold) -> None:
         line += f"; / full cache alone: {float(first['wall_seconds']) / full:.3f} (GPU target <= 6 for 36 points)"
     print(line)
     print("  " + breakdown(wide))
+    print("  " + compressions_by_method(wide))
+    for line in batch_lines:
+        print("  " + line)
     if alone is not None:
         print(f"  of its runs also run alone: {identical(alone, wide)}")
 
@@ -227,6 +233,14 @@ def breakdown(runs) -> str:
     return (f"shared prompt passes {passes:.2f} s (once per chunk of points: more where the chunks are several), "
             f"prompt compressions {own.sum():.2f} s ({predictions['run_id'].nunique()} points), "
             f"decode steps {predictions['decode_seconds'].sum():.2f} s, wall {wall:.2f} s")
+
+
+def compressions_by_method(runs) -> str:
+    """The points' prompt compression seconds summed per method, largest first."""
+    predictions, metrics = runs
+    seconds = predictions.groupby(predictions["run_id"].map(metrics["method"]))["compress_seconds"].sum()
+    return "prompt compressions by method: " + ", ".join(
+        f"{method} {value:.2f} s" for method, value in seconds.sort_values(ascending=False).items())
 
 
 def identical(alone, fused) -> str:

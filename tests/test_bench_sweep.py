@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 SWEEP = ["model=tiny-llama-random", "task=passkey", "task.context_lengths=[128]", "task.depths=[0,100]",
          "batch_size=2", "method=full,h2o", "budget=0.2"]
 
@@ -32,6 +34,11 @@ def test_a_tiny_sweep_reports_its_walls_ratios_and_identical_predictions(capsys)
     seconds = [float(number) for number in re.findall(r"\d+(?:\.\d+)?", parts)]
     passes, compressions, points, decode, wall = seconds  # each part of the group's wall is inside it
     assert points == 5 and min(passes, compressions, decode) > 0 and passes + compressions + decode < wall
+    [by_method] = [line for line in out if line.startswith("  prompt compressions by method: ")]
+    per_method = {m: float(v) for m, v in re.findall(r"(\w+) (\d+\.\d+) s", by_method)}
+    assert set(per_method) == {"full", "h2o", "snapkv"} and sum(per_method.values()) == pytest.approx(
+        compressions, abs=0.02)
+    assert sum(line.startswith("  decode batch of 5 points x 2 slots: ") for line in out) == 1  # the warm group's
     assert "  of its runs also run alone: identical predictions: 4 / 4 (100.0 %)" in out
 
 

@@ -174,9 +174,17 @@ class ReplayedOnTheHost:
     capture's host side plus the replay that follows it); a later replay runs the same step's device work
     again and puts the host side back as it was, as a real replay leaves it (``DecodeGraph.flush`` applies it)."""
 
+    runner = None  # the DecodeGraph whose step a capture records (set by the test)
+
     def __init__(self) -> None:
         self.fresh = True
         self.step: tuple = ()  # the runner's sessions and step, set when the capture ends
+
+    def capture_begin(self) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        self.step = (self.runner.sessions, self.runner.body)
 
     def replay(self) -> None:
         if self.fresh:  # the replay right after the capture: the capture already did the work
@@ -197,7 +205,6 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
     """The graph runner's bookkeeping on a CPU (captures replayed on the host): decisions, steps known safe, the
     host side applied lazily, bytes read per step; every row as alone, and steps replayed; the batch's log
     line counts its steps by kind."""
-    import contextlib
     import logging
 
     from kvbench import graphs
@@ -205,18 +212,11 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayedOnTheHost)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(graphs, "capture_stream", lambda: None)  # torch.cuda.stream(None) changes nothing
     monkeypatch.setattr(graphs, "WARMED", set())
-
-    @contextlib.contextmanager
-    def capture(graph):
-        yield
-        graph.step = (runner_of[0].sessions, runner_of[0].body)
-
-    monkeypatch.setattr(torch.cuda, "graph", capture)
     method = build_method(*GOLDEN_CASES[name]) if name in GOLDEN_CASES else build(name)
     engine = Engine(tiny_model, method, Budget("tokens", 12))
     prompts = random_prompts(LENGTHS + [17, 50], tiny_model.config.vocab_size, seed=9)
-    runner_of = []
     with use_backend("torch"):
         batch = DecodeBatch([engine], slots=3, lag=1)
         batch.graphs = True
@@ -224,7 +224,7 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
 
         def keep_runner():
             build_runner()
-            runner_of[:] = [batch.runner]
+            monkeypatch.setattr(ReplayedOnTheHost, "runner", batch.runner)
 
         batch._build_runner = keep_runner
         requests = [DecodeRequest(n) for n in (14, 5, 9, 14, 7, 11)]
@@ -242,7 +242,12 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
     assert set(batch.seconds_by_kind) == set(kinds) and min(batch.seconds_by_kind.values()) > 0
     counted = ", ".join(f"{kinds[k]} {k} {batch.seconds_by_kind[k]:.3f} s" for k in ("replay", "capture", "warm-up",
                                                                                       "eager") if kinds[k])
-    assert f"decode batch of 1 points x 3 slots: {batch.launched} steps ({counted})" in caplog.text
+    phases = batch.capture_host
+    assert set(phases) == {"recording", "instantiating"} and phases["recording"] > 0
+    assert (f"decode batch of 1 points x 3 slots: {batch.launched} steps ({counted}; captures on the host: "
+            f"recording {phases['recording']:.3f} s, instantiating {phases['instantiating']:.3f} s)") in caplog.text
+    record = next(r for r in caplog.records if r.getMessage().startswith("decode batch"))
+    assert record.capture_host_seconds == dict(phases) and record.steps_by_kind == dict(kinds)
 
 
 @pytest.mark.parametrize("name", ["full", "h2o", "d2o"])  # per-layer prefill, in-place decode, deferred budgets
@@ -266,3 +271,38 @@ def test_a_generation_leaves_no_cache_behind_for_the_garbage_collector(tiny_mode
         gc.garbage.clear()
         gc.enable()
     assert cyclic == []
+
+
+@pytest.mark.parametrize("headroom", [0.25, 0.0])
+def test_a_data_driven_point_keeps_its_first_storage_for_shorter_prompts(tiny_model, headroom, monkeypatch):
+    """D2O's layer budgets come from each prompt's attention, so a shorter prompt after the first may need more
+    slots in some layer; the batch's storage has room for that (``Engine.batch_capacities``), so it is never
+    re-allocated (which would re-capture the step's graph). Without the room (0.0) the same rows outgrow it."""
+    from kvbench import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "DATA_DRIVEN_HEADROOM", headroom)
+    engine = Engine(tiny_model, build("d2o"), Budget("fraction", 0.2))
+    prompts = random_prompts([600 - 2 * i for i in range(8)], tiny_model.config.vocab_size, seed=0)
+    request = DecodeRequest(6)
+    rows = [(0, engine.prefill_row(p, request.max_new_tokens), request) for p in prompts]
+    needs = [engine.planned_capacities(row, request.max_new_tokens) for _, row, _ in rows]
+    storage = engine.batch_capacities(rows[0][1], request.max_new_tokens)
+    room = int(headroom * sum(needs[0]) / len(needs[0]))
+    assert storage == [need + room for need in needs[0]]  # under the limit: 600 prompt tokens + 6
+    with use_backend("torch"):
+        batch = DecodeBatch([engine], slots=2, lag=0)
+        run(batch, rows)
+    capacities = [layer.kv.capacity for layer in batch.points[0].session.cache.layers]
+    outgrown = any(need > s for row_needs in needs for need, s in zip(row_needs, needs[0]))
+    assert outgrown, "the prompts no longer exercise a later row needing more than the first"
+    if headroom:
+        assert all(max(n[layer] for n in needs) <= storage[layer] for layer in range(len(storage)))
+        assert capacities == storage
+    else:
+        assert capacities != storage
+
+
+def test_batch_capacities_of_a_method_within_its_budget_are_what_the_row_needs(tiny_model):
+    engine = Engine(tiny_model, build("snapkv"), Budget("fraction", 0.2))
+    row = engine.prefill_row(random_prompts([300], tiny_model.config.vocab_size)[0], 6)
+    assert engine.batch_capacities(row, 6) == engine.planned_capacities(row, 6)
