@@ -214,9 +214,10 @@ class CompressedCache(Cache):
     def kv(self, layer_idx: int) -> LayerKV:
         return self.layers[layer_idx].kv
 
-    def set_kv(self, layer_idx: int, kv: LayerKV) -> None:
-        """Install a method's compressed cache (a functional ``compress`` result) as the layer's storage."""
-        self.layers[layer_idx].adopt(kv)
+    def set_kv(self, layer_idx: int, kv: LayerKV, host_lengths: np.ndarray | None = None) -> None:
+        """Install a method's compressed cache (a functional ``compress`` result) as the layer's storage;
+        ``host_lengths`` if the caller read them already."""
+        self.layers[layer_idx].adopt(kv, host_lengths)
 
     def lengths(self) -> Tensor:
         """(L, B, H) real slots per layer and head (from the host mirror: no device read)."""

@@ -91,6 +91,13 @@ class LayerKV:
         kv.pack_state()
         return kv
 
+    def row(self, b: int, capacity: int) -> "LayerKV":
+        """Batch row ``b`` in its first ``capacity`` slots, as views."""
+        return LayerKV(keys=self.keys[b:b + 1, :, :capacity], values=self.values[b:b + 1, :, :capacity],
+                       positions=self.positions[b:b + 1, :, :capacity], lengths=self.lengths[b:b + 1],
+                       state={name: s[b:b + 1, :, :capacity] for name, s in self.state.items()},
+                       tables={name: t[b:b + 1] for name, t in self.tables.items()})
+
     def take_rows(self, rows: Tensor) -> "LayerKV":
         """A copy of batch rows ``rows`` (n,) (e.g. the rows a decode step compresses while the others wait)."""
         return LayerKV(keys=self.keys[rows], values=self.values[rows], positions=self.positions[rows],
@@ -313,6 +320,15 @@ class AttentionStats:
         return AttentionStats(column_sums=take(self.column_sums), window_column_sums=take(self.window_column_sums),
                               step_attention=take(self.step_attention), raw_keys=take(self.raw_keys),
                               query_column_sums=take(self.query_column_sums), num_queries=take(self.num_queries))
+
+    def broadcast(self, rows: int) -> "AttentionStats":
+        """The one-row statistics as ``rows`` identical rows, as views (no copy)."""
+        def widen(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.expand(rows, *t.shape[1:])
+
+        return AttentionStats(column_sums=widen(self.column_sums), window_column_sums=widen(self.window_column_sums),
+                              step_attention=widen(self.step_attention), raw_keys=widen(self.raw_keys),
+                              query_column_sums=widen(self.query_column_sums), num_queries=widen(self.num_queries))
 
     def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
         """Reorder slots by ``order`` (B, H, K) (as LayerKV.gather does) and zero-pad to ``capacity``."""

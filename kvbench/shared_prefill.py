@@ -10,7 +10,14 @@ on CUDA a point without column sums runs sdpa alone and cuDNN's attention here: 
 After each layer's attention, every point whose layer budgets need no statistics compresses its own shallow
 copy of the layer (fresh state and tables: methods assign state on their input; a result that still holds the
 pass's tensors, such as the full cache, is cloned), and the pass's uncompressed layer is dropped: peak memory is
-one uncompressed layer plus the points' compressed caches. A point whose budgets need every layer's statistics
+one uncompressed layer plus the points' compressed caches. Points of one method that differ only in their budget
+(``method=h2o budget=0.2,0.35,0.5``) compress together, as the rows of one ``compress`` call over the layer
+broadcast to as many rows (views, no copy), each row at its own point's budget: a method computes every row on
+its own, so each point's row is the one it gets alone, at a third of the kernel launches for three budgets (a
+prompt compression is mostly launches on a GPU). Each shares the call's time equally. Should the call raise,
+its points compress one by one, so that each gets its own row or error; so do a method's points whose rows
+carry tables (EMS's look-up table: a call sizes it for its largest budget, and a table counts in full in the
+cache's bytes). A point whose budgets need every layer's statistics
 (``Method.budget_needs``, D2O) compresses after the pass, so the prompt cache is then held until the pass ends,
 as when it runs alone. A point whose compression raises gets its error instead of a row; the others go on.
 """
@@ -18,6 +25,7 @@ as when it runs alone. A point whose compression raises gets its error instead o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -25,6 +33,12 @@ import torch
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.engine import DeviceTimer, Engine, Session, _sync
 from kvbench.kv import LayerKV
+
+log = logging.getLogger("kvbench")
+
+
+class ApartError(Exception):
+    """Why the points of one method cannot compress together."""
 
 
 def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int,
@@ -44,6 +58,9 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
                                  logits_to_keep=1)
     _sync(device)
     in_pass = [timer.total("compress") for timer in shared.timers]  # each point's compression inside the pass
+    for i, share in enumerate(shared.group_seconds()):  # and its share of those done together
+        in_pass[i] += share
+        shared.sessions[i]._seconds["compress"] += share
     return shared.finish(logits, suffix, time.perf_counter() - t0 - sum(in_pass), in_pass)
 
 
@@ -61,6 +78,12 @@ class _SharedPass:
         for engine, session, n_keep, later in zip(engines, self.sessions, self.n_keeps, self.deferred):
             if not later:
                 session.layer_n_keep = engine.budgets_before_pass(n_keep, n, max_new_tokens)
+        groups: dict[str, list[int]] = {}  # points compressed together: one method and hyperparameters
+        for i, engine in enumerate(engines):
+            groups.setdefault(f"deferred {i}" if self.deferred[i] else repr(engine.method), []).append(i)
+        self.groups = list(groups.values())
+        self.group_timers = [DeviceTimer(device) for _ in self.groups]
+        self.apart: set[int] = set()  # groups whose points compress one by one (their call together raised)
         self.requests = [(engine.method.needs, engine.method.window) for engine in engines]
         self.stat_sets = tuple(dict.fromkeys(self.requests))
         self.kept_stats = [[None] * L for _ in engines]  # the deferred points' statistics, every layer's
@@ -74,21 +97,62 @@ class _SharedPass:
         kv, stats = self.cache.kv(layer), self.cache.set_stats[layer]
         self.pointers[layer] = {t.untyped_storage().data_ptr() for t in (kv.keys, kv.values, kv.positions,
                                                                          kv.lengths)}
-        for i, (engine, session) in enumerate(zip(self.engines, self.sessions)):
-            if self.errors[i] is not None:
-                continue
-            fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
-            own_stats = dataclasses.replace(stats[self.stat_sets.index(self.requests[i])])
-            try:
-                own_stats = engine.with_raw_keys(fork, own_stats, engine.method.needs)
-                if self.deferred[i]:
-                    session.cache.set_kv(layer, fork)
-                    self.kept_stats[i][layer] = own_stats
-                else:
-                    engine.compress_prompt_layer(session, layer, fork, own_stats, own=self.private)
-            except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
-                self.errors[i] = err
+        for group, timer in zip(self.groups, self.group_timers):
+            live = [i for i in group if self.errors[i] is None]
+            if len(live) > 1 and id(group) not in self.apart:
+                try:
+                    self._compress_together(live, layer, kv, stats, timer)
+                    continue
+                except Exception as err:  # noqa: BLE001 - one by one below: each point gets its own row or error
+                    self.apart.add(id(group))
+                    log.info("%s: %d points compress one by one from layer %d on (together: %r)",
+                             self.engines[live[0]].method.name, len(live), layer, err)
+            for i in live:
+                self._compress_alone(i, layer, kv, stats)
         self.cache.layers[layer].kv, self.cache.set_stats[layer] = None, []
+
+    def _compress_alone(self, i: int, layer: int, kv: LayerKV, stats: list) -> None:
+        engine, session = self.engines[i], self.sessions[i]
+        fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
+        own_stats = dataclasses.replace(stats[self.stat_sets.index(self.requests[i])])
+        try:
+            own_stats = engine.with_raw_keys(fork, own_stats, engine.method.needs)
+            if self.deferred[i]:
+                session.cache.set_kv(layer, fork)
+                self.kept_stats[i][layer] = own_stats
+            else:
+                engine.compress_prompt_layer(session, layer, fork, own_stats, own=self.private)
+        except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
+            self.errors[i] = err
+
+    def _compress_together(self, points: list[int], layer: int, kv: LayerKV, stats: list, timer: DeviceTimer) -> None:
+        """One ``compress`` call for ``points`` (one method, several budgets): the layer broadcast to a row per
+        point, each row's budget its point's; every point adopts its row (views of the call's result), the
+        lengths read back once for all of them."""
+        engine, k = self.engines[points[0]], len(points)
+        fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
+        own_stats = engine.with_raw_keys(fork, dataclasses.replace(stats[self.stat_sets.index(self.requests[
+            points[0]])]), engine.method.needs)  # raw keys once, for all rows
+        rows = LayerKV(keys=kv.keys.expand(k, -1, -1, -1), values=kv.values.expand(k, -1, -1, -1),
+                       positions=kv.positions.expand(k, -1, -1), lengths=kv.lengths.expand(k, -1))
+        n_keep = torch.cat([self.sessions[i].layer_n_keep[layer] for i in points])
+        with timer.section("compress"):
+            compressed = engine.method.compress(layer, rows, own_stats.broadcast(k), n_keep, "prefill")
+            if compressed.tables:
+                raise ApartError("its tables are sized for the largest budget of the call (counted in its bytes)")
+            lengths = compressed.lengths.cpu().numpy()
+            for b, i in enumerate(points):
+                row = self.private(layer, compressed.row(b, max(1, int(lengths[b].max()))))
+                self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1].copy())
+
+    def group_seconds(self) -> list[float]:
+        """Per point, its share of the compressions it was part of (inside the pass; read once)."""
+        shares = [0.0] * len(self.engines)
+        for group, timer in zip(self.groups, self.group_timers):
+            seconds = timer.seconds("compress")
+            for i in group:
+                shares[i] += seconds / len(group)
+        return shares
 
     def private(self, layer: int, kv: LayerKV) -> LayerKV:
         """``kv`` with tensors of its own where it still holds the pass's layer ``layer`` (a method may return its

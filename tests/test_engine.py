@@ -189,6 +189,21 @@ def test_keep_topk_protects_sinks_and_recent_window():
     assert lengths.tolist() == [[5]]
 
 
+def test_keep_topk_gives_each_row_of_a_batch_what_it_keeps_alone_among_tied_scores():
+    """Rows of one batch at different budgets (the points of one method compressing together): a row with the
+    smaller budget breaks ties among equal scores as it does alone, not as the larger budget's topk would."""
+    g = torch.Generator().manual_seed(3)
+    pooled = torch.randint(0, 3, (1, 2, 40), generator=g).float()  # many ties, as max-pooled scores have
+    for scores in (pooled, torch.zeros(1, 2, 40)):
+        batch = scores.expand(3, -1, -1)
+        n_keep = torch.tensor([[5, 5], [17, 17], [9, 9]])
+        index, lengths = keep_topk(batch, n_keep, torch.full((3, 2), 40), recent=2)
+        for b in range(3):
+            alone, alone_lengths = keep_topk(scores, n_keep[b:b + 1], torch.full((1, 2), 40), recent=2)
+            assert torch.equal(lengths[b:b + 1], alone_lengths)
+            assert torch.equal(index[b:b + 1, :, :alone.shape[-1]], alone)
+
+
 @pytest.mark.parametrize("kind,value", [("fraction", 0.0), ("fraction", 1.5), ("tokens", 0), ("tokens", 2.5),
                                         ("ratio", 0.2)])
 def test_bad_budgets_are_rejected_with_the_value(kind, value):

@@ -11,6 +11,7 @@ All functions work on left-aligned ragged rows (see ``kvbench.kv.LayerKV``): row
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -78,6 +79,14 @@ def keep_topk(
     prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
     k = int(n_keep.max()) if n_keep.numel() else 0
     top = prio.topk(k, dim=-1).indices if k > 0 else prio.new_zeros((B, H, 0), dtype=torch.long)
+    row_k = n_keep.amax(-1) if k > 0 else n_keep.new_zeros(0)
+    if B > 1 and bool((row_k != k).any()):
+        # topk breaks ties among equal scores (pooled scores, all-zero scores) differently for another k: a row
+        # whose budget is smaller than the batch's largest takes its own topk, so that it keeps what it keeps alone
+        for size in row_k.unique().tolist():
+            if size < k:
+                rows = row_k == size
+                top[rows] = F.pad(prio[rows].topk(size, dim=-1).indices, (0, k - size), value=T)
     # Entries past a row's n_keep are not kept: push them to the end, then restore original order.
     rank = torch.arange(k, device=scores.device).view(1, 1, -1)
     keep = rank < n_keep.unsqueeze(-1)
