@@ -21,6 +21,7 @@ eager compressions only).
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -116,18 +117,26 @@ class DecodeGraph:
     def _capture(self, decisions: tuple) -> None:
         """Record one step into a new graph. Not through ``torch.cuda.graph``, which empties the allocator's caches
         before every capture: the memory a prompt pass had cached would be given back to the driver and
-        allocated again by the next pass, a cost of every decode batch."""
+        allocated again by the next pass, a cost of every decode batch. The garbage collector waits while the
+        step is recorded: recording allocates Python objects at the pace of an eager step, and a full
+        collection of a process that holds a run's tables and compiled code would pause it for tens of ms."""
         before = [[layer.host_lengths.copy() for layer in s.cache.layers] for s in self.sessions]
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()
         start = time.perf_counter()
-        with torch.cuda.stream(capture_stream()):
-            self.graph.capture_begin()
-            try:
-                self.body(True)  # recorded, not run: host side only
-            finally:
-                recorded = time.perf_counter()
-                self.graph.capture_end()
+        try:
+            with torch.cuda.stream(capture_stream()):
+                self.graph.capture_begin()
+                try:
+                    self.body(True)  # recorded, not run: host side only
+                finally:
+                    recorded = time.perf_counter()
+                    self.graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         self.capture_host["recording"] += recorded - start
         self.capture_host["instantiating"] += time.perf_counter() - recorded
         self.delta, self.bytes_delta = [], []

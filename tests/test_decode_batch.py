@@ -184,6 +184,9 @@ class ReplayedOnTheHost:
         pass
 
     def capture_end(self) -> None:
+        import gc
+
+        assert not gc.isenabled(), "the garbage collector waits while a step is recorded"
         self.step = (self.runner.sessions, self.runner.body)
 
     def replay(self) -> None:
@@ -242,6 +245,9 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
     assert set(batch.seconds_by_kind) == set(kinds) and min(batch.seconds_by_kind.values()) > 0
     counted = ", ".join(f"{kinds[k]} {k} {batch.seconds_by_kind[k]:.3f} s" for k in ("replay", "capture", "warm-up",
                                                                                       "eager") if kinds[k])
+    import gc
+
+    assert gc.isenabled(), "and runs again after"
     phases = batch.capture_host
     assert set(phases) == {"recording", "instantiating"} and phases["recording"] > 0
     assert (f"decode batch of 1 points x 3 slots: {batch.launched} steps ({counted}; captures on the host: "
