@@ -59,6 +59,15 @@ def _compiled_call(module: nn.Module) -> Callable:
     return module.__dict__[COMPILED_CALL]
 
 
+def prepare_compiled_calls(model: nn.Module) -> None:
+    """Make every compiled module's compiled call now, when an engine is built: ``torch.compile`` deep-copies
+    inductor's configuration for each call it wraps (about 5 ms a module on a GPU host, 170 ms for an 8B
+    model's 34 modules), which the first decode step of every newly loaded model would otherwise pay, inside
+    its timed step or graph capture. Compiling itself still happens at the first pass of each shape."""
+    for module in compiled_modules(model):
+        _compiled_call(module)
+
+
 @functools.cache
 def compiled_function(function: Callable) -> Callable:
     """``function`` through torch.compile (inductor, no cudagraphs mode), compiled once per process: decode-time

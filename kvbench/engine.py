@@ -41,7 +41,7 @@ from torch import Tensor
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompressedCache, PassPlan
-from kvbench.compile import compile_enabled, compiled_decode, compiled_function
+from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
 from kvbench.kv import AttentionStats, LayerKV
@@ -356,6 +356,8 @@ class Engine:
         self.batch_size = batch_size
         self.on_generation: Callable[[], None] | None = None  # called as each generated row finishes (progress)
         self.compile_decode = compile_enabled(compile, self.device, self.cuda_graphs)
+        if self.compile_decode:
+            prepare_compiled_calls(model)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None

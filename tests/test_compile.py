@@ -59,6 +59,27 @@ def test_only_one_token_passes_run_compiled(tiny_model, monkeypatch):
     assert all(module._compiled_call_impl is None for module in modules)
 
 
+def test_an_engine_makes_every_compiled_call_when_it_is_built(tiny_model, monkeypatch):
+    """torch.compile's wrapper (a deep copy of inductor's configuration each) is made with the engine, not inside
+    the first decode step or graph capture of a run; an engine that does not compile makes none."""
+    made = []
+    monkeypatch.setattr(torch, "compile", lambda call: made.append(call) or call)
+    for module in compiled_modules(tiny_model):
+        monkeypatch.delitem(module.__dict__, kvbench_compile.COMPILED_CALL, raising=False)
+    modules = compiled_modules(tiny_model)
+    try:
+        Engine(tiny_model, H2O(), Budget("tokens", 24), compile=False)
+        assert made == []
+        Engine(tiny_model, H2O(), Budget("tokens", 24), compile=True)
+        assert len(made) == len(modules) and all(kvbench_compile.COMPILED_CALL in m.__dict__ for m in modules)
+        with use_backend("torch"):
+            decode_logits(tiny_model, compile=True, steps=2)
+        assert len(made) == len(modules), "the decode steps made none"
+    finally:  # the stand-in calls must not outlive the test
+        for module in modules:
+            module.__dict__.pop(kvbench_compile.COMPILED_CALL, None)
+
+
 def test_compile_setting():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compile_enabled("auto", cuda, cuda_graphs=True) and not compile_enabled("auto", cuda, cuda_graphs=False)
