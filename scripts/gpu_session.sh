@@ -3,7 +3,7 @@
 # transformers, pandas, pyarrow, ... (scripts/gpu_image_packages.txt) and whose other kvbench dependencies travel
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep
+#   bash $s setup; bash $s tests [pytest paths] (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep
 #   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
@@ -27,10 +27,12 @@ setup)  # every wheel in .whl/, then the versions, and the wheels' requirements 
     python3 scripts/gpu_wheels.py --check $site; echo "setup check rc=$?"; } > $work/env.txt 2>&1
   cat $work/env.txt ;;
 tests)  # the fast suite with the CUDA tests on (Triton kernels compiled against the torch references, CUDA graphs
-        # against eager steps, no sync in a step): a call of its own (it took over 330 s on an H100 host)
+        # against eager steps, no sync in a step): a call of its own (it ran past 540 s on an H200 host); pytest
+        # arguments follow (test paths to run a part). One line per test, so a run stopped by the limit still
+        # names its failures
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
-  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs --junitxml=$work/tests.xml > $OUT/tests.log 2>&1
-  echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" $OUT/tests.log ;;
+  timeout 540 python3 -m pytest -v -p no:cacheprovider -rs --junitxml=$OUT/tests.xml "$@" > $OUT/tests.log 2>&1
+  echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "(FAILED|ERROR)|passed|failed" $OUT/tests.log ;;
 kernels-slow)  # the slow kernel tests (every method on both backends)
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -m slow tests/kernels --junitxml=$work/kernel_slow.xml \
