@@ -82,7 +82,7 @@ class _SharedPass:
         for i, engine in enumerate(engines):
             groups.setdefault(f"deferred {i}" if self.deferred[i] else repr(engine.method), []).append(i)
         self.groups = list(groups.values())
-        self.group_timers = [DeviceTimer(device) for _ in self.groups]
+        self.together: dict[tuple[int, ...], DeviceTimer] = {}  # the points of a call together -> its time
         self.apart: set[int] = set()  # groups whose points compress one by one (their call together raised)
         self.requests = [(engine.method.needs, engine.method.window) for engine in engines]
         self.stat_sets = tuple(dict.fromkeys(self.requests))
@@ -97,11 +97,11 @@ class _SharedPass:
         kv, stats = self.cache.kv(layer), self.cache.set_stats[layer]
         self.pointers[layer] = {t.untyped_storage().data_ptr() for t in (kv.keys, kv.values, kv.positions,
                                                                          kv.lengths)}
-        for group, timer in zip(self.groups, self.group_timers):
+        for group in self.groups:
             live = [i for i in group if self.errors[i] is None]
             if len(live) > 1 and id(group) not in self.apart:
                 try:
-                    self._compress_together(live, layer, kv, stats, timer)
+                    self._compress_together(live, layer, kv, stats)
                     continue
                 except Exception as err:  # noqa: BLE001 - one by one below: each point gets its own row or error
                     self.apart.add(id(group))
@@ -125,13 +125,13 @@ class _SharedPass:
         except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
             self.errors[i] = err
 
-    def _compress_together(self, points: list[int], layer: int, kv: LayerKV, stats: list, timer: DeviceTimer) -> None:
+    def _compress_together(self, points: list[int], layer: int, kv: LayerKV, stats: list) -> None:
         """One ``compress`` call for ``points`` (one method, several budgets): the layer broadcast to a row per
         point, each row's budget its point's; every point adopts its row (views of the call's result), the
         lengths read back once for all of them."""
         engine, k = self.engines[points[0]], len(points)
-        fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
-        own_stats = engine.with_raw_keys(fork, dataclasses.replace(stats[self.stat_sets.index(self.requests[
+        timer = self.together.setdefault(tuple(points), DeviceTimer(engine.device))
+        own_stats = engine.with_raw_keys(kv, dataclasses.replace(stats[self.stat_sets.index(self.requests[
             points[0]])]), engine.method.needs)  # raw keys once, for all rows
         rows = LayerKV(keys=kv.keys.expand(k, -1, -1, -1), values=kv.values.expand(k, -1, -1, -1),
                        positions=kv.positions.expand(k, -1, -1), lengths=kv.lengths.expand(k, -1))
@@ -146,12 +146,12 @@ class _SharedPass:
                 self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1].copy())
 
     def group_seconds(self) -> list[float]:
-        """Per point, its share of the compressions it was part of (inside the pass; read once)."""
+        """Per point, its share of the calls together it took part in (inside the pass; read once)."""
         shares = [0.0] * len(self.engines)
-        for group, timer in zip(self.groups, self.group_timers):
+        for points, timer in self.together.items():
             seconds = timer.seconds("compress")
-            for i in group:
-                shares[i] += seconds / len(group)
+            for i in points:
+                shares[i] += seconds / len(points)
         return shares
 
     def private(self, layer: int, kv: LayerKV) -> LayerKV:

@@ -79,10 +79,10 @@ def keep_topk(
     prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
     k = int(n_keep.max()) if n_keep.numel() else 0
     top = prio.topk(k, dim=-1).indices if k > 0 else prio.new_zeros((B, H, 0), dtype=torch.long)
-    row_k = n_keep.amax(-1) if k > 0 else n_keep.new_zeros(0)
-    if B > 1 and bool((row_k != k).any()):
+    if B > 1 and k > 0:
         # topk breaks ties among equal scores (pooled scores, all-zero scores) differently for another k: a row
         # whose budget is smaller than the batch's largest takes its own topk, so that it keeps what it keeps alone
+        row_k = n_keep.amax(-1)
         for size in row_k.unique().tolist():
             if size < k:
                 rows = row_k == size
