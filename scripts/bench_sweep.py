@@ -230,9 +230,9 @@ def breakdown(runs) -> str:
     own = predictions["compress_seconds"]
     passes = (predictions["prefill_seconds"] - own).groupby(predictions["sample_id"]).min().sum()
     wall = float(runs[1].iloc[0]["wall_seconds"])
-    return (f"shared prompt passes {passes:.2f} s (once per chunk of points: more where the chunks are several), "
-            f"prompt compressions {own.sum():.2f} s ({predictions['run_id'].nunique()} points), "
-            f"decode steps {predictions['decode_seconds'].sum():.2f} s, wall {wall:.2f} s")
+    return (f"shared prompt passes {passes:.3f} s (once per chunk of points: more where the chunks are several), "
+            f"prompt compressions {own.sum():.3f} s ({predictions['run_id'].nunique()} points), "
+            f"decode steps {predictions['decode_seconds'].sum():.3f} s, wall {wall:.3f} s")
 
 
 def compressions_by_method(runs) -> str:
@@ -240,7 +240,7 @@ def compressions_by_method(runs) -> str:
     predictions, metrics = runs
     seconds = predictions.groupby(predictions["run_id"].map(metrics["method"]))["compress_seconds"].sum()
     return "prompt compressions by method: " + ", ".join(
-        f"{method} {value:.2f} s" for method, value in seconds.sort_values(ascending=False).items())
+        f"{method} {value:.3f} s" for method, value in seconds.sort_values(ascending=False).items())
 
 
 def identical(alone, fused) -> str:
