@@ -141,7 +141,9 @@ class DecodeBatch:
         self.min_new = torch.zeros(R, dtype=torch.long, device=self.device)
         self.stop_mask: Tensor | None = None  # (R, V) bool, from the first row whose stops need masking
         pinned = self.device.type == "cuda"
-        self.host_tokens = [torch.zeros(R, dtype=torch.long, pin_memory=pinned) for _ in range(self.lag + 1)]
+        # named "cpu": under a CUDA default device (torch.set_default_device) a pinned buffer would be refused
+        self.host_tokens = [torch.zeros(R, dtype=torch.long, device="cpu", pin_memory=pinned)
+                            for _ in range(self.lag + 1)]
         self.row_bytes = np.zeros(R)  # every row's K+V bytes now (from the host mirrors)
         self.token_bytes = np.zeros(R)  # the K+V bytes of one token of each row (every layer and head)
         self.records: deque[_Step] = deque()  # launched steps whose tokens are not read yet

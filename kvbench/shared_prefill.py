@@ -14,10 +14,9 @@ one uncompressed layer plus the points' compressed caches. Points of one method 
 (``method=h2o budget=0.2,0.35,0.5``) compress together, as the rows of one ``compress`` call over the layer
 broadcast to as many rows (views, no copy), each row at its own point's budget: a method computes every row on
 its own, so each point's row is the one it gets alone, at a third of the kernel launches for three budgets (a
-prompt compression is mostly launches on a GPU). Each shares the call's time equally. Should the call raise,
-its points compress one by one, so that each gets its own row or error; so do a method's points whose rows
-carry tables (EMS's look-up table: a call sizes it for its largest budget, and a table counts in full in the
-cache's bytes). A point whose budgets need every layer's statistics
+prompt compression is mostly launches on a GPU). Each shares the call's time equally. A row's tables come cut to the
+size they have alone (``Method.batch_row``: EMS's look-up table, which one call sizes for its largest budget).
+Should the call raise, its points compress one by one, so that each gets its own row or error. A point whose budgets need every layer's statistics
 (``Method.budget_needs``, D2O) compresses after the pass, so the prompt cache is then held until the pass ends,
 as when it runs alone. A point whose compression raises gets its error instead of a row; the others go on.
 """
@@ -35,10 +34,6 @@ from kvbench.engine import DeviceTimer, Engine, Session, _sync
 from kvbench.kv import LayerKV
 
 log = logging.getLogger("kvbench")
-
-
-class ApartError(Exception):
-    """Why the points of one method cannot compress together."""
 
 
 def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int,
@@ -138,11 +133,10 @@ class _SharedPass:
         n_keep = torch.cat([self.sessions[i].layer_n_keep[layer] for i in points])
         with timer.section("compress"):
             compressed = engine.method.compress(layer, rows, own_stats.broadcast(k), n_keep, "prefill")
-            if compressed.tables:
-                raise ApartError("its tables are sized for the largest budget of the call (counted in its bytes)")
             lengths = compressed.lengths.cpu().numpy()
             for b, i in enumerate(points):
-                row = self.private(layer, compressed.row(b, max(1, int(lengths[b].max()))))
+                row = self.private(layer, engine.method.batch_row(compressed, b, max(1, int(lengths[b].max())), rows,
+                                                                  n_keep))
                 self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1].copy())
 
     def group_seconds(self) -> list[float]:

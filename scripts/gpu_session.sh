@@ -31,7 +31,7 @@ tests)  # the fast suite with the CUDA tests on (Triton kernels compiled against
         # arguments follow (test paths to run a part). One line per test, so a run stopped by the limit still
         # names its failures
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
-  timeout 540 python3 -m pytest -v -p no:cacheprovider -rs --junitxml=$OUT/tests.xml "$@" > $OUT/tests.log 2>&1
+  timeout 540 python3 -m pytest -v -p no:cacheprovider -p tests.report_failures_now -rs --junitxml=$OUT/tests.xml "$@" > $OUT/tests.log 2>&1
   echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "(FAILED|ERROR)|passed|failed" $OUT/tests.log ;;
 kernels-slow)  # the slow kernel tests (every method on both backends)
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvbench import store
 from tests.conftest import REPO, kvbench_command
@@ -18,7 +19,8 @@ from tests.conftest import REPO, kvbench_command
 LONGBENCH = ["task=longbench", "task.datasets=[trec]", "task.source=local"]
 FIXTURE = REPO / "kvbench" / "data" / "longbench" / "sample" / "trec.jsonl"
 
-# (arguments, fragment of the error line, exit status); {root} is the results root, {data} a data folder.
+# (arguments, fragment of the error line, exit status); {root} is the results root, {data} a data folder,
+# {cuda_count} the CUDA devices this machine has.
 CASES = [
     # top-level keys
     (["seed=abc"], "seed='abc' must be an integer", 2),
@@ -40,7 +42,8 @@ CASES = [
     (["model=llama3.1-8b-instruct", "model.device=cpu", "model.path=/nonexistent"],
      "model.path=/nonexistent is not a folder; set it to a local copy of the model's files, or to null", 2),
     (["model.path=/nonexistent"], "unknown key model.path; accepted: attn_implementation, chat_format", 2),
-    (["model.device=cuda"], "model.device=cuda but 0 CUDA devices are visible; accepted: cpu", 2),
+    # an index past the visible devices: a bad value on a GPU machine as on a CPU one
+    (["model.device=cuda:64"], "model.device=cuda:64 but {cuda_count} CUDA devices are visible; accepted: cpu", 2),
     (["model.dtype=float8"], "unknown model.dtype 'float8'; accepted: bfloat16, float16, float32", 2),
     (["model.attn_implementation=magic"], "unknown model.attn_implementation 'magic'; accepted: eager", 2),
     (["model.max_length=abc"], "model.max_length='abc' must be an integer", 2),
@@ -114,6 +117,7 @@ def test_bad_input_is_one_line_naming_the_value(args, fragment, status, tmp_path
     (tmp_path / "file.txt").write_text("")
     root = tmp_path / "results"
     args = [a.format(root=tmp_path, data=data) for a in args]
+    fragment = fragment.format(cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     flag = args[:1] if args[0] == "-m" else []
     args = [*flag, "model=tiny-llama-random", *args[len(flag):]]
     if not any(a.startswith("results_root=") for a in args):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbench.budget import Budget
-from kvbench.decode import DecodeBatch
+from kvbench.decode import DecodeBatch, DecodeRequest
 from kvbench.engine import Engine
 from kvbench.graphs import DecodeGraph
 from tests.conftest import tiny_model_config
@@ -100,7 +100,7 @@ def test_a_steady_batch_launch_does_not_synchronise(cuda_model, graphs):
     """A DecodeBatch step's launch (the step, its tokens' copy to pinned memory, the event): no synchronisation;
     only reading the previous step's tokens waits, for that step alone."""
     engine = Engine(cuda_model, build("h2o"), Budget("tokens", 12), cuda_graphs=graphs)
-    rows = [(0, engine.prefill_row(p, 24), requests_for(engine, [p])[0][0])
+    rows = [(0, engine.prefill_row(p, 24), DecodeRequest(24))
             for p in random_prompts([45, 30], cuda_model.config.vocab_size)]
     batch = DecodeBatch([engine], slots=2)
     for tag, (point, row, request) in enumerate(rows):

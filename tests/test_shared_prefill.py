@@ -40,10 +40,7 @@ def test_a_methods_budgets_compress_together_into_each_points_row_alone(tiny_mod
     with caplog.at_level(logging.INFO, logger="kvbench"):
         rows = prefill_points(engines, prompt, 6, [])
     alones = [engine.prefill_row(prompt, 6) for engine in engines]
-    if alones[0].cache.layers[0].kv.tables:  # EMS's look-up table: sized per call, so its points go one by one
-        assert "ems: 3 points compress one by one from layer 0 on (together: ApartError('its tables" in caplog.text
-    else:
-        assert "compress one by one" not in caplog.text
+    assert "compress one by one" not in caplog.text
     for engine, row, alone in zip(engines, rows, alones):
         for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
             assert_same_layer(got, want, f"{case} budget {engine.budget.value} layer {layer}")

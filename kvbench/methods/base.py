@@ -111,6 +111,12 @@ class Method:
         """
         raise NotImplementedError
 
+    def batch_row(self, out: LayerKV, b: int, capacity: int, kv: LayerKV, n_keep: Tensor) -> LayerKV:
+        """Row ``b``, in its first ``capacity`` slots (views), of ``out = compress(layer, kv, stats, n_keep,
+        "prefill")`` over several rows: what ``compress`` of that row alone gives. A method whose tables one call
+        sizes for the call's largest budget cuts them to the row's own."""
+        return out.row(b, capacity)
+
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The decode step of a method that compresses every step, in place: every row holds n_keep + 1 slots
         (in any order; positions say which token each slot holds). Merge whatever the method merges into

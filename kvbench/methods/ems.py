@@ -289,7 +289,7 @@ class EMS(Method):
         tokens = group_sum(kv.state["merged_tokens"] + 1, target, G)  # (B, H, G) original tokens per entry
         out.state["merged_tokens"] = torch.where(out.valid(), tokens - 1, 0.0)
         if self.expansion == "lut":
-            size = tbm_slots.shape[-1] if math.isinf(self.gamma) else math.floor((self.gamma - 1) * budget + 0.5)
+            size = self._lut_size(tbm_slots.shape[-1], budget)
             lut = kv.tables.get(LUT_POSITION)
             out.tables = self._lut(kv, target, index, out.positions, max(size, 0 if lut is None else lut.shape[-1]))
         elif self.multiplicity_bias:
@@ -317,6 +317,21 @@ class EMS(Method):
         return scatter_merge(expanded, target, w, G).to(kv.keys.dtype)
 
     # -- the look-up table -----------------------------------------------------------------------------
+
+    def _lut_size(self, most_tbm: int, budget: int) -> int:
+        """Entries per head of the LUT a prefill makes: the TBM tokens of a full prefill at the largest N_budget
+        ``budget``, (gamma - 1) * N_budget, or with gamma = inf the most TBM tokens of a head, ``most_tbm``."""
+        return most_tbm if math.isinf(self.gamma) else math.floor((self.gamma - 1) * budget + 0.5)
+
+    def batch_row(self, out: LayerKV, b: int, capacity: int, kv: LayerKV, n_keep: Tensor) -> LayerKV:
+        """The row's LUT cut to the size a prefill of the row alone gives it. The table holds the newest members
+        first (``_lut``: a top-k by position), unused entries last, so its first entries are the row's own."""
+        row = out.row(b, capacity)
+        if LUT_POSITION in row.tables:
+            own = torch.minimum(n_keep[b:b + 1].to(kv.lengths).unsqueeze(-1), kv.lengths[b:b + 1])
+            size = self._lut_size(int((kv.lengths[b:b + 1] - own).clamp(min=0).max()), int(n_keep[b]))
+            row.tables = {name: t[..., :size].contiguous() for name, t in row.tables.items()}
+        return row
 
     @staticmethod
     def _centre_slots(kv: LayerKV) -> tuple[Tensor, Tensor]:

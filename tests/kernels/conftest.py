@@ -93,6 +93,12 @@ if MODE == "cuda":
 
         return models.load(tiny_model_config(device="cuda"))
 
+    @pytest.fixture(scope="session")
+    def tiny_model(tiny_lm):
+        """Overridden with ``tiny_lm``: a session fixture is made once per definition, so the parent's
+        ``tiny_model``, made first inside this folder, would hand this GPU model to every later test outside it."""
+        return tiny_lm.model
+
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
