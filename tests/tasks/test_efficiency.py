@@ -82,6 +82,37 @@ def test_cpu_peak_memory_counts_live_tensor_bytes():
     assert peak.bytes == 100 + second.nbytes
 
 
+def test_cpu_peak_records_allocations_only_and_agrees_with_the_public_profiler(tiny_model, monkeypatch):
+    """The allocations-only profiler sees no operator, and its peak is the one the public profiler (operators
+    and allocations, the fallback where torch lacks the private API) finds for the same work."""
+    from kvbench import memory
+
+    ids = torch.randint(3, tiny_model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+
+    def work():
+        with torch.no_grad():
+            tiny_model(ids)
+
+    work()  # first-call allocations (lazy buffers) out of the way
+    with PeakMemory(torch.device("cpu")) as fast:
+        work()
+    assert fast._profiler is None  # released after the block
+    seen = []
+    monkeypatch.setattr(memory._AllocationsProfiler, "events",
+                        lambda self: seen.extend(e.name() for e in self.result.events()) or self.result.events())
+    with PeakMemory(torch.device("cpu")) as again:
+        work()
+    assert set(seen) == {memory.MEMORY_RECORD} and again.bytes == fast.bytes > 0
+
+    def missing(self):
+        raise AttributeError("no private profiler API")
+
+    monkeypatch.setattr(memory._AllocationsProfiler, "__enter__", missing)
+    with PeakMemory(torch.device("cpu")) as public:
+        work()
+    assert public.bytes == fast.bytes
+
+
 def test_plain_generate_cpu_peak_holds_at_least_its_kv_cache(tiny_lm):
     n, new = 1000, 3
     task = Efficiency(context_lengths=[n], new_tokens=new, warmup=1, repeats=1, memory_bandwidth_gbps=1.0)
