@@ -24,6 +24,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.kv import AttentionStats, Expansion, LayerKV
 
 
+def row_index(rows: np.ndarray, device: torch.device) -> slice | Tensor:
+    """Batch rows ``rows`` (n,) as an index into a storage on ``device``: a slice where they are consecutive
+    (as a point's slots mostly are), else a device tensor. A slice indexes without copying an index to the
+    device, a copy from pageable memory that waits for all the work queued on the device before it."""
+    if len(rows) and (np.diff(rows) == 1).all():
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.as_tensor(rows, device=device)
+
+
 @dataclass
 class PassPlan:
     """What the engine asks of one forward pass, set on the cache before the pass.
@@ -108,19 +117,19 @@ class CompressedLayer(CacheLayerMixin):
         """Copy the one-row layer ``row`` into rows ``rows`` of this storage, first growing the storage to at
         least ``capacity`` slots (what the row needs while it decodes) and its tables to the row's sizes."""
         self._make_room(capacity, row.kv)
-        self.kv.put_rows(torch.as_tensor(rows, device=self.kv.keys.device), row.kv, row.longest)
+        self.kv.put_rows(row_index(rows, self.kv.keys.device), row.kv, row.longest)
         self._set_rows(rows, row.host_lengths)
         self.ordered = self.ordered and row.ordered
 
     def store_rows(self, rows: np.ndarray, kv: LayerKV) -> None:
         """``store`` for some rows: a compressed cache of rows ``rows`` written back into their storage rows."""
         self._make_room(kv.capacity, kv)
-        self.kv.put_rows(torch.as_tensor(rows, device=self.kv.keys.device), kv, kv.capacity)
+        self.kv.put_rows(row_index(rows, self.kv.keys.device), kv, kv.capacity)
         self._set_rows(rows, kv.lengths.cpu().numpy())
 
     def clear_rows(self, rows: np.ndarray) -> None:
         """Empty rows ``rows`` (length 0): a finished row that keeps stepping until a new row takes its slot."""
-        self.kv.lengths[torch.as_tensor(rows, device=self.kv.keys.device)] = 0
+        self.kv.lengths[row_index(rows, self.kv.keys.device)] = 0
         self._set_rows(rows, 0)
 
     def _make_room(self, capacity: int, kv: LayerKV) -> None:

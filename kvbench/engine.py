@@ -40,7 +40,7 @@ from torch import Tensor
 
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
-from kvbench.cache import CompressedCache, PassPlan
+from kvbench.cache import CompressedCache, PassPlan, row_index
 from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
@@ -274,7 +274,7 @@ class Session:
         per-row device tensors (a captured decode step keeps reading them) and their host mirrors; layer l's
         storage grows to at least ``capacities[l]`` slots first (what the row needs while it decodes)."""
         rows = np.asarray(slots)
-        index = torch.as_tensor(rows, device=self.next_index.device)
+        index = row_index(rows, self.next_index.device)
         with torch.inference_mode():  # the logits after a pass are an inference tensor
             for mine, theirs, capacity in zip(self.cache.layers, row.cache.layers, capacities):
                 mine.place(rows, theirs, capacity)

@@ -77,16 +77,15 @@ def keep_topk(
     prio = torch.where(sink_mask, torch.full_like(prio, big), prio)
     prio = torch.where(recent_mask, torch.full_like(prio, 2 * big) + slots.float(), prio)
     prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
-    k = int(n_keep.max()) if n_keep.numel() else 0
+    row_k = n_keep.amax(-1).tolist() if n_keep.numel() else []  # the one read back from the device
+    k = max(row_k, default=0)
     top = prio.topk(k, dim=-1).indices if k > 0 else prio.new_zeros((B, H, 0), dtype=torch.long)
-    if B > 1 and k > 0:
-        # topk breaks ties among equal scores (pooled scores, all-zero scores) differently for another k: a row
-        # whose budget is smaller than the batch's largest takes its own topk, so that it keeps what it keeps alone
-        row_k = n_keep.amax(-1)
-        for size in row_k.unique().tolist():
-            if size < k:
-                rows = row_k == size
-                top[rows] = F.pad(prio[rows].topk(size, dim=-1).indices, (0, k - size), value=T)
+    for b, size in enumerate(row_k):
+        if size < k:
+            # topk breaks ties among equal scores (pooled scores, all-zero scores) differently for another k: a
+            # row whose budget is smaller than the batch's largest takes its own topk, so that it keeps what it
+            # keeps alone (row slices: no mask, so no further read back)
+            top[b:b + 1] = F.pad(prio[b:b + 1].topk(size, dim=-1).indices, (0, k - size), value=T)
     # Entries past a row's n_keep are not kept: push them to the end, then restore original order.
     rank = torch.arange(k, device=scores.device).view(1, 1, -1)
     keep = rank < n_keep.unsqueeze(-1)
