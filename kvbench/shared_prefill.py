@@ -14,11 +14,13 @@ one uncompressed layer plus the points' compressed caches. Points of one method 
 (``method=h2o budget=0.2,0.35,0.5``) compress together, as the rows of one ``compress`` call over the layer
 broadcast to as many rows (views, no copy), each row at its own point's budget: a method computes every row on
 its own, so each point's row is the one it gets alone, at a third of the kernel launches for three budgets (a
-prompt compression is mostly launches on a GPU). Each shares the call's time equally. A row's tables come cut to the
-size they have alone (``Method.batch_row``: EMS's look-up table, which one call sizes for its largest budget).
-Should the call raise, its points compress one by one, so that each gets its own row or error. A point whose budgets need every layer's statistics
-(``Method.budget_needs``, D2O) compresses after the pass, so the prompt cache is then held until the pass ends,
-as when it runs alone. A point whose compression raises gets its error instead of a row; the others go on.
+prompt compression is mostly launches on a GPU). Each shares the call's time equally. A row's tables come cut
+to the size they have alone (``Method.batch_row``: EMS's look-up table, which one call sizes for its largest
+budget). Should the call raise, its points compress one by one, so that each gets its own row or error. A point
+whose budgets need every layer's statistics (``Method.budget_needs``, D2O) compresses after the pass, so the
+prompt cache is then held until the pass ends, as when it runs alone; a method's deferred points compress
+together there, each at its own layer budgets. A point whose compression raises gets its error instead of a row;
+the others go on.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.engine import DeviceTimer, Engine, Session, _sync
-from kvbench.kv import LayerKV
+from kvbench.kv import AttentionStats, LayerKV
 
 log = logging.getLogger("kvbench")
 
@@ -75,7 +77,7 @@ class _SharedPass:
                 session.layer_n_keep = engine.budgets_before_pass(n_keep, n, max_new_tokens)
         groups: dict[str, list[int]] = {}  # points compressed together: one method and hyperparameters
         for i, engine in enumerate(engines):
-            groups.setdefault(f"deferred {i}" if self.deferred[i] else repr(engine.method), []).append(i)
+            groups.setdefault(repr(engine.method), []).append(i)
         self.groups = list(groups.values())
         self.together: dict[tuple[int, ...], DeviceTimer] = {}  # the points of a call together -> its time
         self.apart: set[int] = set()  # groups whose points compress one by one (their call together raised)
@@ -83,6 +85,7 @@ class _SharedPass:
         self.stat_sets = tuple(dict.fromkeys(self.requests))
         self.kept_stats = [[None] * L for _ in engines]  # the deferred points' statistics, every layer's
         self.errors: list[Exception | None] = [None] * len(engines)
+        self.after_pass = [0.0] * len(engines)  # a deferred point's share of its group's compression after the pass
         self.cache = CompressedCache(L)  # the pass's own: each uncompressed layer until the points took it
         self.pointers: list[set[int]] = [set() for _ in range(L)]  # storages of each uncompressed layer
 
@@ -94,7 +97,7 @@ class _SharedPass:
                                                                          kv.lengths)}
         for group in self.groups:
             live = [i for i in group if self.errors[i] is None]
-            if len(live) > 1 and id(group) not in self.apart:
+            if len(live) > 1 and not self.deferred[live[0]] and id(group) not in self.apart:
                 try:
                     self._compress_together(live, layer, kv, stats)
                     continue
@@ -121,23 +124,69 @@ class _SharedPass:
             self.errors[i] = err
 
     def _compress_together(self, points: list[int], layer: int, kv: LayerKV, stats: list) -> None:
-        """One ``compress`` call for ``points`` (one method, several budgets): the layer broadcast to a row per
-        point, each row's budget its point's; every point adopts its row (views of the call's result), the
-        lengths read back once for all of them."""
-        engine, k = self.engines[points[0]], len(points)
-        timer = self.together.setdefault(tuple(points), DeviceTimer(engine.device))
+        """One ``compress`` call for ``points`` (one method, several budgets) after the pass's layer ``layer``."""
+        engine = self.engines[points[0]]
         own_stats = engine.with_raw_keys(kv, dataclasses.replace(stats[self.stat_sets.index(self.requests[
             points[0]])]), engine.method.needs)  # raw keys once, for all rows
+        self._adopt_together(points, layer, kv, own_stats, self.together.setdefault(tuple(points),
+                                                                                    DeviceTimer(engine.device)))
+
+    def _adopt_together(self, points: list[int], layer: int, kv: LayerKV, stats: AttentionStats,
+                        timer: DeviceTimer) -> None:
+        """The layer ``kv`` broadcast to a row per point, each row's budget its point's, compressed in one call;
+        every point adopts its row (views of the call's result), the lengths read back once for all of them."""
+        engine, k = self.engines[points[0]], len(points)
         rows = LayerKV(keys=kv.keys.expand(k, -1, -1, -1), values=kv.values.expand(k, -1, -1, -1),
                        positions=kv.positions.expand(k, -1, -1), lengths=kv.lengths.expand(k, -1))
         n_keep = torch.cat([self.sessions[i].layer_n_keep[layer] for i in points])
         with timer.section("compress"):
-            compressed = engine.method.compress(layer, rows, own_stats.broadcast(k), n_keep, "prefill")
+            compressed = engine.method.compress(layer, rows, stats.broadcast(k), n_keep, "prefill")
             lengths = compressed.lengths.cpu().numpy()
-            for b, i in enumerate(points):
-                row = self.private(layer, engine.method.batch_row(compressed, b, max(1, int(lengths[b].max())), rows,
-                                                                  n_keep))
+            own = [self.private(layer, engine.method.batch_row(compressed, b, max(1, int(lengths[b].max())), rows,
+                                                               n_keep)) for b in range(k)]
+            for b, (i, row) in enumerate(zip(points, own)):  # all or none of the points take their row
                 self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1].copy())
+
+    def _compress_after_pass_together(self, points: list[int]) -> list[int]:
+        """The deferred points of one method (``Method.budget_needs``, several budgets) after the pass: each
+        point's layer budgets from the statistics its layers kept, then every layer in one call for all of
+        them. A point whose budgets raise gets its error; should a call raise, the points compress the layers
+        from there on one by one. Returns the points that compressed (their time: ``self.after_pass``)."""
+        engine, t0 = self.engines[points[0]], time.perf_counter()
+        timer = DeviceTimer(engine.device)
+        for i in points:
+            try:
+                self.sessions[i].layer_n_keep = engine.method.layer_budgets(
+                    self.n_keeps[i], engine.num_layers, self.kept_stats[i], self.max_new_tokens).to(engine.device)
+            except Exception as err:  # noqa: BLE001 - its own error; the others go on
+                self.errors[i] = err
+        live = [i for i in points if self.errors[i] is None]
+        for layer in range(engine.num_layers if len(live) > 1 else 0):
+            try:
+                self._adopt_together(live, layer, self.sessions[live[0]].cache.kv(layer),
+                                     self.kept_stats[live[0]][layer], timer)
+                for i in live:
+                    self.sessions[i].cache.pass_stats[layer] = AttentionStats()
+            except Exception as err:  # noqa: BLE001 - one by one below: each point gets its own row or error
+                log.info("%s: %d points compress one by one from layer %d on (together: %r)",
+                         engine.method.name, len(live), layer, err)
+                for i in live:
+                    try:
+                        for rest in range(layer, engine.num_layers):
+                            session = self.sessions[i]
+                            engine.compress_prompt_layer(session, rest, session.cache.kv(rest),
+                                                         self.kept_stats[i][rest], own=self.private)
+                            session.cache.pass_stats[rest] = AttentionStats()
+                    except Exception as alone_err:  # noqa: BLE001
+                        self.errors[i] = alone_err
+                break
+        _sync(engine.device)
+        done = [i for i in live if self.errors[i] is None] if len(live) > 1 else []
+        seconds = timer.seconds("compress")  # read once: the timer's events are drained
+        for i in done:
+            self.sessions[i]._seconds["compress"] += seconds / len(live)
+            self.after_pass[i] = (time.perf_counter() - t0) / len(live)
+        return done
 
     def group_seconds(self) -> list[float]:
         """Per point, its share of the calls together it took part in (inside the pass; read once)."""
@@ -159,13 +208,18 @@ class _SharedPass:
                in_pass: list[float]) -> list[Session | Exception]:
         """After the pass: the deferred points' compression, then every row finished (``Engine.finish_row``) and
         timed. logits: (1, 1, V) of the prompt's last token."""
+        together = set()  # deferred points compressed together, one call a layer for each method's points
+        for group in self.groups:
+            live = [i for i in group if self.errors[i] is None]
+            if len(live) > 1 and self.deferred[live[0]]:
+                together.update(self._compress_after_pass_together(live))
         rows = []
         for i, (engine, session) in enumerate(zip(self.engines, self.sessions)):
             t1 = time.perf_counter()
             try:
                 if self.errors[i] is not None:
                     raise self.errors[i]
-                if self.deferred[i]:
+                if self.deferred[i] and i not in together:
                     engine.compress_after_pass(session, self.n_keeps[i], self.kept_stats[i], self.max_new_tokens,
                                                own=self.private)
                 engine.finish_row(session, self.n, logits, suffix, self.max_new_tokens)
@@ -173,6 +227,6 @@ class _SharedPass:
                 rows.append(err)
                 continue
             _sync(session.engine.device)
-            session.prefill_seconds = shared_seconds + in_pass[i] + time.perf_counter() - t1
+            session.prefill_seconds = shared_seconds + in_pass[i] + self.after_pass[i] + time.perf_counter() - t1
             rows.append(session)
         return rows

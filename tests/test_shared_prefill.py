@@ -69,3 +69,29 @@ def test_a_call_together_that_raises_leaves_each_point_its_own_row_or_error(tiny
         alone = engines[i].prefill_row(prompt, 4)
         for layer, (got, want) in enumerate(zip(rows[i].cache.layers, alone.cache.layers)):
             assert_same_layer(got, want, f"point {i} layer {layer}")
+
+
+def test_deferred_points_whose_call_together_raises_go_on_one_by_one_from_that_layer(tiny_model, monkeypatch,
+                                                                                    caplog):
+    """D2O's budgets compress together after the pass; a call that raises at layer 1 leaves layer 0 as it was
+    compressed together, and every point compresses layer 1 on its own: each row is still its row alone."""
+    method = build("d2o")
+    compress = type(method).compress
+
+    def together_fails_at_layer_1(self, layer, kv, stats, n_keep, phase):
+        if layer == 1 and kv.keys.shape[0] > 1:
+            raise RuntimeError("layer 1 together")
+        return compress(self, layer, kv, stats, n_keep, phase)
+
+    monkeypatch.setattr(type(method), "compress", together_fails_at_layer_1)
+    engines = [Engine(tiny_model, build("d2o"), Budget("fraction", b)) for b in BUDGETS]
+    prompt = random_prompts([61], tiny_model.config.vocab_size, seed=4)[0]
+    with caplog.at_level(logging.INFO, logger="kvbench"):
+        rows = prefill_points(engines, prompt, 6, [])
+    assert "d2o: 3 points compress one by one from layer 1 on (together: RuntimeError('layer 1 together'))" \
+        in caplog.text
+    for engine, row in zip(engines, rows):
+        alone = engine.prefill_row(prompt, 6)
+        for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
+            assert_same_layer(got, want, f"budget {engine.budget.value} layer {layer}")
+        assert torch.equal(row.layer_n_keep, alone.layer_n_keep)

@@ -105,6 +105,12 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
         from kvbench.kernels import triton_similarity
 
         return triton_similarity.best_match_cosine(keys, sources, targets, chunk)
+    if keys.shape[0] > 1:
+        # row by row: each row's products at its own source and target counts, the shapes it has alone (the BLAS
+        # picks its blocking by shape, and a row padded to another row's counts can differ in the last bit)
+        rows = [best_match_cosine(keys[b:b + 1], sources[b:b + 1], targets[b:b + 1], chunk)
+                for b in range(keys.shape[0])]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
     B, H, T, D = keys.shape
     src, src_count = _compact(sources)
     tgt, tgt_count = _compact(targets)
