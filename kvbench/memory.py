@@ -8,7 +8,7 @@ block allocated and still holds, and its maximum is the block's peak growth. ``P
 ``baseline`` (the bytes the caller knows are live at the start: the model's weights) so that the CPU number
 means what the CUDA one means. RSS would not: the allocator reuses memory an earlier run freed without
 growing the process, and keeps freed memory mapped. The profiler records the allocator's reports only, not
-every operator (``_allocations_only``): with operators it more than doubled a CPU quality run's wall (SmolLM2,
+every operator (``_AllocationsProfiler``): with operators it more than doubled a CPU quality run's wall (SmolLM2,
 4 fused NIAH points: 49 s against 21 s unprofiled; allocations only: 28 s), most of it spent building the
 events when the block ends. Its cost is alike for every system a benchmark compares; blocks must not nest
 (one profiler at a time).
