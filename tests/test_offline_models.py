@@ -138,7 +138,6 @@ def test_smollm2_answers_a_simple_question(smollm2_lm):
 
     engine = Engine(smollm2_lm.model, Full(), Budget(kind="fraction", value=1.0))
     ids = smollm2_lm.encode_prompt(smollm2_lm.chat("What is the capital of France?"), templated=True)
-    gen = engine.generate([ids], max_new_tokens=20, stop_token_ids=smollm2_lm.eos_token_ids,
-                          pad_token_id=smollm2_lm.pad_token_id)[0]
+    gen = engine.generate([ids], max_new_tokens=20, stop_token_ids=smollm2_lm.eos_token_ids)[0]
     assert "Paris" in smollm2_lm.decode(gen.tokens)
     assert gen.stopped_by == "eos"
