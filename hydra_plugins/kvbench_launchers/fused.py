@@ -50,6 +50,12 @@ def _resolved_point(cfg: DictConfig) -> tuple[DictConfig, Path, list[str]]:
     overrides (``kvbench status`` names them in the command that re-runs it)."""
     OmegaConf.resolve(cfg)
     hydra = HydraConfig.get()
+    logger = cfg.get("logger")
+    if logger is not None and logger.get("name") == "wandb" and not logger.get("group"):
+        from kvbench.wandb_tracker import sweep_group
+
+        with open_dict(cfg):  # the sweep's W&B group, named now: the group runs when no Hydra job is current
+            logger.group = sweep_group()
     return cfg, Path(hydra.runtime.output_dir), list(hydra.overrides.task)
 
 
