@@ -505,8 +505,18 @@ class Engine:
                             max_new_tokens: int, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
         """A method whose layer budgets need every layer's statistics (``Method.budget_needs``): the budgets,
         then every layer compressed, after the prompt pass."""
-        session.layer_n_keep = self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
-        for layer in range(self.num_layers):
+        session.layer_n_keep = self.budgets_after_pass(n_keep, stats, max_new_tokens)
+        self.compress_kept_layers(session, stats, own)
+
+    def budgets_after_pass(self, n_keep: Tensor, stats: list[AttentionStats], max_new_tokens: int) -> Tensor:
+        """(L, B) layer budgets of a method whose budgets need every layer's statistics ``stats``."""
+        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
+
+    def compress_kept_layers(self, session: Session, stats: list[AttentionStats],
+                             own: Callable[[int, LayerKV], LayerKV] | None = None, start: int = 0) -> None:
+        """Layers ``start`` on of a row that kept its uncompressed layers through the pass, compressed at its
+        layer budgets, each with its statistics ``stats[layer]``, which are then dropped."""
+        for layer in range(start, self.num_layers):
             self.compress_prompt_layer(session, layer, session.cache.kv(layer), stats[layer], own)
             session.cache.pass_stats[layer] = AttentionStats()
 

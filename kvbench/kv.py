@@ -107,8 +107,8 @@ class LayerKV:
     def put_rows(self, rows: slice | Tensor, kv: "LayerKV", span: int) -> None:
         """Write the first ``span`` slots of ``kv``'s rows into rows ``rows`` (n rows: a slice or indices) of this
         storage, in place (a captured CUDA graph keeps reading the same tensors), and clear the rest of those
-        rows. ``kv`` holds n rows, or one row copied into all of them; its tables are padded with unused entries to this storage's
-        size. The caller makes room (``span`` <= capacity, tables no larger than these)."""
+        rows. ``kv`` holds n rows, or one row copied into all of them; its tables are padded with unused entries
+        to this storage's size. The caller makes room (``span`` <= capacity, tables no larger than these)."""
         if set(kv.state) != set(self.state) or set(kv.tables) != set(self.tables):
             raise ValueError(f"a row with state {sorted(kv.state)} and tables {sorted(kv.tables)} cannot join "
                              f"storage with state {sorted(self.state)} and tables {sorted(self.tables)}")

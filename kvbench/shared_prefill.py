@@ -156,8 +156,8 @@ class _SharedPass:
         timer = DeviceTimer(engine.device)
         for i in points:
             try:
-                self.sessions[i].layer_n_keep = engine.method.layer_budgets(
-                    self.n_keeps[i], engine.num_layers, self.kept_stats[i], self.max_new_tokens).to(engine.device)
+                self.sessions[i].layer_n_keep = engine.budgets_after_pass(self.n_keeps[i], self.kept_stats[i],
+                                                                          self.max_new_tokens)
             except Exception as err:  # noqa: BLE001 - its own error; the others go on
                 self.errors[i] = err
         live = [i for i in points if self.errors[i] is None]
@@ -172,20 +172,16 @@ class _SharedPass:
                          engine.method.name, len(live), layer, err)
                 for i in live:
                     try:
-                        for rest in range(layer, engine.num_layers):
-                            session = self.sessions[i]
-                            engine.compress_prompt_layer(session, rest, session.cache.kv(rest),
-                                                         self.kept_stats[i][rest], own=self.private)
-                            session.cache.pass_stats[rest] = AttentionStats()
+                        engine.compress_kept_layers(self.sessions[i], self.kept_stats[i], self.private, start=layer)
                     except Exception as alone_err:  # noqa: BLE001
                         self.errors[i] = alone_err
                 break
         _sync(engine.device)
         done = [i for i in live if self.errors[i] is None] if len(live) > 1 else []
-        seconds = timer.seconds("compress")  # read once: the timer's events are drained
+        seconds, elapsed = timer.seconds("compress"), time.perf_counter() - t0  # the timer's events: read once
         for i in done:
             self.sessions[i]._seconds["compress"] += seconds / len(live)
-            self.after_pass[i] = (time.perf_counter() - t0) / len(live)
+            self.after_pass[i] = elapsed / len(live)
         return done
 
     def group_seconds(self) -> list[float]:

@@ -328,7 +328,7 @@ class EMS(Method):
         first (``_lut``: a top-k by position), unused entries last, so its first entries are the row's own."""
         row = out.row(b, capacity)
         if LUT_POSITION in row.tables:
-            own = torch.minimum(n_keep[b:b + 1].to(kv.lengths).unsqueeze(-1), kv.lengths[b:b + 1])
+            own = per_sample_n_keep(n_keep, kv)[b:b + 1]
             size = self._lut_size(int((kv.lengths[b:b + 1] - own).clamp(min=0).max()), int(n_keep[b]))
             row.tables = {name: t[..., :size].contiguous() for name, t in row.tables.items()}
         return row
