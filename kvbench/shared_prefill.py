@@ -10,7 +10,11 @@ on CUDA a point without column sums runs sdpa alone and cuDNN's attention here: 
 After each layer's attention, every point whose layer budgets need no statistics compresses its own shallow
 copy of the layer (fresh state and tables: methods assign state on their input; a result that still holds the
 pass's tensors, such as the full cache, is cloned), and the pass's uncompressed layer is dropped: peak memory is
-one uncompressed layer plus the points' compressed caches. Points of one method that differ only in their budget
+one uncompressed layer plus the points' compressed caches. On CUDA the compressions run beside the pass, on a
+host thread of their own (``kvbench.overlap``: the device runs the next layers while the host plans a
+compression), and up to ``overlap.DEPTH + 1`` uncompressed layers are held; a point's compression time then
+runs from its first kernel to its last on the device, the next layers' kernels among them, and the pass counts
+the rest of the wall. Points of one method that differ only in their budget
 (``method=h2o budget=0.2,0.35,0.5``) compress together, as the rows of one ``compress`` call over the layer
 broadcast to as many rows (views, no copy), each row at its own point's budget: a method computes every row on
 its own, so each point's row is the one it gets alone, at a third of the kernel launches for three budgets (a
@@ -34,31 +38,41 @@ import torch
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.engine import DeviceTimer, Engine, Session, _sync
 from kvbench.kv import AttentionStats, LayerKV
+from kvbench.overlap import LayerWorker
 
 log = logging.getLogger("kvbench")
 
 
-def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int,
-                   suffix: list[int]) -> list[Session | Exception]:
+def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int, suffix: list[int],
+                   overlap: bool | None = None) -> list[Session | Exception]:
     """Prefill ``prompt`` once for every engine (one per point); each point's ``suffix`` is fed on its own
     compressed row. Returns per engine its prefilled one-row session (the unit ``Engine.prefill_row`` returns),
     whose ``prefill_seconds`` are the whole shared pass plus its own compression and suffix, or the error its
-    compression or suffix raised."""
-    shared = _SharedPass(engines, len(prompt), max_new_tokens)
+    compression or suffix raised. ``overlap``: the layers' compressions on a worker beside the pass
+    (``kvbench.overlap``); None: on CUDA, where the device then runs both at once."""
     device = engines[0].device
+    shared = _SharedPass(engines, len(prompt), max_new_tokens)
     index = torch.arange(len(prompt), device=device).view(1, -1)
     plan = PassPlan(query_positions=index, num_queries=torch.tensor([len(prompt)], device=device),
                     stat_sets=shared.stat_sets, after_layer=shared.compress_layer)
     _sync(device)
     t0 = time.perf_counter()
-    logits = engines[0]._forward(torch.tensor([prompt], device=device), index, index, shared.cache, plan,
-                                 logits_to_keep=1)
+    shared.worker = LayerWorker(shared.compress_groups, device) if (
+        device.type == "cuda" if overlap is None else overlap) else None
+    try:
+        logits = engines[0]._forward(torch.tensor([prompt], device=device), index, index, shared.cache, plan,
+                                     logits_to_keep=1)
+    finally:
+        worker, shared.worker = shared.worker, None
+        if worker is not None:
+            worker.close()
     _sync(device)
     in_pass = [timer.total("compress") for timer in shared.timers]  # each point's compression inside the pass
     for i, share in enumerate(shared.group_seconds()):  # and its share of those done together
         in_pass[i] += share
         shared.sessions[i]._seconds["compress"] += share
-    return shared.finish(logits, suffix, time.perf_counter() - t0 - sum(in_pass), in_pass)
+    # overlapped, the compressions' spans hold the next layers' kernels too: the pass keeps what is left, if any
+    return shared.finish(logits, suffix, max(0.0, time.perf_counter() - t0 - sum(in_pass)), in_pass)
 
 
 class _SharedPass:
@@ -88,13 +102,22 @@ class _SharedPass:
         self.after_pass = [0.0] * len(engines)  # a deferred point's share of its group's compression after the pass
         self.cache = CompressedCache(L)  # the pass's own: each uncompressed layer until the points took it
         self.pointers: list[set[int]] = [set() for _ in range(L)]  # storages of each uncompressed layer
+        self.worker: LayerWorker | None = None  # set while the pass runs, when its compressions overlap it
 
     def compress_layer(self, layer: int) -> None:
-        """``PassPlan.after_layer``: every point's copy of the layer compressed (or kept, for a deferred point);
-        then the pass drops the uncompressed layer."""
+        """``PassPlan.after_layer``: every point's copy of the layer compressed (or kept, for a deferred point),
+        in line or handed to the worker; then the pass drops the uncompressed layer."""
         kv, stats = self.cache.kv(layer), self.cache.set_stats[layer]
         self.pointers[layer] = {t.untyped_storage().data_ptr() for t in (kv.keys, kv.values, kv.positions,
                                                                          kv.lengths)}
+        if self.worker is None:
+            self.compress_groups(layer, kv, stats)
+        else:
+            self.worker.submit(layer, kv, stats)
+        self.cache.layers[layer].kv, self.cache.set_stats[layer] = None, []
+
+    def compress_groups(self, layer: int, kv: LayerKV, stats: list[AttentionStats]) -> None:
+        """Every group's points compressed from the pass's layer ``layer``: together where they can, else alone."""
         for group in self.groups:
             live = [i for i in group if self.errors[i] is None]
             if len(live) > 1 and not self.deferred[live[0]] and id(group) not in self.apart:
@@ -107,7 +130,6 @@ class _SharedPass:
                              self.engines[live[0]].method.name, len(live), layer, err)
             for i in live:
                 self._compress_alone(i, layer, kv, stats)
-        self.cache.layers[layer].kv, self.cache.set_stats[layer] = None, []
 
     def _compress_alone(self, i: int, layer: int, kv: LayerKV, stats: list) -> None:
         engine, session = self.engines[i], self.sessions[i]
