@@ -16,7 +16,8 @@ graph could not use: a 36-point sweep ran out of memory). Each compression is th
 tensors as in line: what a point keeps does not change.
 
 Memory stays bounded: at most ``DEPTH`` layers wait for the worker (the pass's thread blocks on a full queue), so a
-pass holds at most ``DEPTH + 1`` uncompressed layers instead of one.
+pass holds at most ``DEPTH + 2`` uncompressed layers instead of one (those waiting, the one being compressed and
+the one just computed).
 """
 
 from __future__ import annotations

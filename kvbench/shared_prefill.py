@@ -12,7 +12,7 @@ copy of the layer (fresh state and tables: methods assign state on their input; 
 pass's tensors, such as the full cache, is cloned), and the pass's uncompressed layer is dropped: peak memory is
 one uncompressed layer plus the points' compressed caches. On CUDA the compressions run beside the pass, on a
 host thread of their own (``kvbench.overlap``: the device runs the next layers while the host plans a
-compression), and up to ``overlap.DEPTH + 1`` uncompressed layers are held; a point's compression time then
+compression), and up to ``overlap.DEPTH + 2`` uncompressed layers are held; a point's compression time then
 runs from its first kernel to its last on the device, the next layers' kernels among them, and the pass counts
 the rest of the wall. Points of one method that differ only in their budget
 (``method=h2o budget=0.2,0.35,0.5``) compress together, as the rows of one ``compress`` call over the layer
