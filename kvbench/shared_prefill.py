@@ -57,8 +57,9 @@ def prefill_points(engines: list[Engine], prompt: list[int], max_new_tokens: int
                     stat_sets=shared.stat_sets, after_layer=shared.compress_layer)
     _sync(device)
     t0 = time.perf_counter()
-    shared.worker = LayerWorker(shared.compress_groups, device) if (
-        device.type == "cuda" if overlap is None else overlap) else None
+    if overlap is None:
+        overlap = device.type == "cuda"
+    shared.worker = LayerWorker(shared.compress_groups, device) if overlap else None
     try:
         logits = engines[0]._forward(torch.tensor([prompt], device=device), index, index, shared.cache, plan,
                                      logits_to_keep=1)
@@ -183,7 +184,9 @@ class _SharedPass:
             except Exception as err:  # noqa: BLE001 - its own error; the others go on
                 self.errors[i] = err
         live = [i for i in points if self.errors[i] is None]
-        for layer in range(engine.num_layers if len(live) > 1 else 0):
+        if len(live) < 2:  # nothing to do together: ``finish`` compresses a lone point as alone
+            return []
+        for layer in range(engine.num_layers):
             try:
                 self._adopt_together(live, layer, self.sessions[live[0]].cache.kv(layer),
                                      self.kept_stats[live[0]][layer], timer)
@@ -199,7 +202,7 @@ class _SharedPass:
                         self.errors[i] = alone_err
                 break
         _sync(engine.device)
-        done = [i for i in live if self.errors[i] is None] if len(live) > 1 else []
+        done = [i for i in live if self.errors[i] is None]
         seconds, elapsed = timer.seconds("compress"), time.perf_counter() - t0  # the timer's events: read once
         for i in done:
             self.sessions[i]._seconds["compress"] += seconds / len(live)
