@@ -95,13 +95,30 @@ def _prompt_attention(base, module, query, key, value, scaling, plan: PassPlan, 
         lse = None
     key_pos = plan.query_positions.view(B, 1, Q).expand(B, key.shape[1], Q)
     key_valid = torch.ones(key_pos.shape, dtype=torch.bool, device=key.device)
-    computed = {}
+    passes = _column_sum_passes(sets)
+    union: dict[tuple, frozenset[str]] = {}
+    for key_of_pass, (wanted, _) in zip(passes, sets):
+        union[key_of_pass] = union.get(key_of_pass, frozenset()) | wanted
+    computed = {key_of_pass: _stats_from_lse(query, key, lse if wanted & EVERY_QUERY_STATS else None, key_valid,
+                                             key_pos, scaling, plan.query_positions, wanted, key_of_pass[1])
+                for key_of_pass, wanted in union.items() if wanted}
+    return output, [{name: s for name, s in computed[key_of_pass].items() if name in wanted} if wanted else {}
+                    for key_of_pass, (wanted, _) in zip(passes, sets)]
+
+
+def _column_sum_passes(sets: list[tuple[frozenset[str], int]]) -> list[tuple]:
+    """The column-sum pass that computes each (wanted, window) statistic set, as (what it is, window): sets over
+    every query with GQA-averaged sums share one pass, because a pass's column sums do not depend on its window
+    (the window's sums are a second accumulator of the same probabilities), so a set without a window joins the
+    first one with a window (H2O's and EMS's sets: one pass a layer instead of two). Sets with another window,
+    per-query-head sums (D2O) or the window's queries alone keep passes of their own."""
+    passes = []
     for wanted, window in sets:
-        if wanted and (wanted, window) not in computed:
-            computed[wanted, window] = _stats_from_lse(
-                query, key, lse if wanted & EVERY_QUERY_STATS else None, key_valid, key_pos, scaling,
-                plan.query_positions, wanted, window)
-    return output, [computed.get((wanted, window), {}) for wanted, window in sets]
+        window = window if "window_column_sums" in wanted else 0
+        shared = bool(wanted & EVERY_QUERY_STATS) and "query_column_sums" not in wanted
+        passes.append(("every query", window) if shared else (wanted, window))
+    windowed = next((p for p in passes if p[0] == "every query" and p[1] > 0), None)
+    return [windowed if windowed is not None and p == ("every query", 0) else p for p in passes]
 
 
 def _stats_from_lse(query, key, lse, key_valid, key_pos, scaling, query_positions, wanted: frozenset[str],
