@@ -339,10 +339,12 @@ class EMS(Method):
         is a member whose centre is stored (False on unused entries)."""
         centre = kv.tables[LUT_CENTRE]
         # a binary search in the stored positions (each real position in one slot): O((E + T) log T), where
-        # comparing every entry with every slot would hold an (E x T) mask per head at each step
-        stored = torch.where(kv.valid(), kv.positions, torch.iinfo(kv.positions.dtype).max)
+        # comparing every entry with every slot would hold an (E x T) mask per head at each step. Positions are
+        # sorted as int32 (token indices fit): a radix sort of half the key bits, half the passes (EMS's decode
+        # step sorts every layer)
+        stored = torch.where(kv.valid(), kv.positions.to(torch.int32), torch.iinfo(torch.int32).max)
         sorted_positions, order = stored.sort(dim=-1)
-        at = torch.searchsorted(sorted_positions, centre.to(stored.dtype).contiguous()).clamp(max=stored.shape[-1] - 1)
+        at = torch.searchsorted(sorted_positions, centre.to(torch.int32).contiguous()).clamp(max=stored.shape[-1] - 1)
         live = (sorted_positions.gather(-1, at) == centre) & (centre >= 0)
         return torch.where(live, order.gather(-1, at), 0), live
 
