@@ -17,7 +17,10 @@ from torch import Tensor
 BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
 WARPS = 16
 NO_POSITION = tl.constexpr(2**63 - 1)  # above every real position
-PROGRAMS_PER_SM = 4  # ``row_blocks`` splits rows until about this many programs per multiprocessor
+# ``row_blocks`` splits rows until about this many programs per multiprocessor. The split changes no slot's
+# arithmetic (a block's best is folded with ties to the oldest position): 8 rather than 4 made EMS's and D2O's
+# decode steps of 2 rows x 8 heads about 3 % and 6 % faster on an H200 (twice the programs hide the scans' latency)
+PROGRAMS_PER_SM = 8
 CPU_PROGRAMS = 8  # the interpreter's stand-in for a device's programs (so that tests cover several blocks)
 
 
