@@ -375,18 +375,7 @@ class DecodeBatch:
         compression, the next tokens picked into ``tokens``. Returns False (its host side is done)."""
         sessions = [p.session for p in self.points if p.session is not None]
         tokens = self.tokens if self.rows is None else self.tokens[self.rows]
-        if len(sessions) == 1:
-            logits = sessions[0].feed(tokens, "decode", static_shapes)[:, -1]
-        else:
-            plans = [session.pass_plan(1, "decode", static_shapes) for session in sessions]
-            for session, (plan, _) in zip(sessions, plans):
-                session.cache.plan = plan
-            index = torch.cat([plan.query_positions for plan, _ in plans])
-            logits = sessions[0].engine._forward(tokens, index, torch.cat([rope for _, rope in plans]),
-                                                 self.composite, None)
-            for (start, rows, _), session in zip(self.composite.partitions, sessions):
-                session.after_pass(logits[start:start + rows], "decode")
-            logits = logits[:, -1]
+        logits = Session.feed_together(sessions, tokens, "decode", static_shapes, self.composite)[:, -1]
         picked = self._pick(logits)
         if self.rows is None:
             self.tokens.copy_(picked)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from kvbench.attention import attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
-from kvbench.cache import CompressedCache, PassPlan, row_index
+from kvbench.cache import CompositeCache, CompressedCache, PassPlan, row_index
 from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
@@ -182,6 +182,25 @@ class Session:
         plan, rope_positions = self.pass_plan(tokens.shape[1], phase, static_shapes)
         logits = self.engine._forward(tokens, plan.query_positions, rope_positions, self.cache, plan)
         self.after_pass(logits, phase)
+        return logits
+
+    @staticmethod
+    def feed_together(sessions: list["Session"], tokens: Tensor, phase: str = "decode", static_shapes: bool = False,
+                      composite: CompositeCache | None = None) -> Tensor:
+        """``feed`` for several sessions over one model (each of its own engine: a method and budget), their rows
+        stacked in ``tokens`` (R, q) in the sessions' order, in one forward pass: the weights are read once for
+        all of them, and each session's rows attend over its own cache (through a ``CompositeCache``: the
+        caller's ``composite`` over these sessions, or a new one). Returns the logits (R, q, V)."""
+        if len(sessions) == 1:
+            return sessions[0].feed(tokens, phase, static_shapes)
+        composite = CompositeCache([s.cache for s in sessions]) if composite is None else composite
+        plans = [session.pass_plan(tokens.shape[1], phase, static_shapes) for session in sessions]
+        for session, (plan, _) in zip(sessions, plans):
+            session.cache.plan = plan
+        index = torch.cat([plan.query_positions for plan, _ in plans])
+        logits = sessions[0].engine._forward(tokens, index, torch.cat([rope for _, rope in plans]), composite, None)
+        for (start, rows, _), session in zip(composite.partitions, sessions):
+            session.after_pass(logits[start:start + rows], phase)
         return logits
 
     def pass_plan(self, q: int, phase: str, static_shapes: bool) -> tuple[PassPlan, Tensor]:
@@ -479,7 +498,10 @@ class Engine:
             if not per_layer:
                 stats = [self._prompt_stats(cache, layer, observed, stop, start > 0) for layer in range(L)]
                 self.compress_after_pass(session, n_keep, stats, max_new_tokens)
-        return self.finish_row(session, n, logits, suffix, max_new_tokens)
+        self.finish_row(session, n, logits, len(suffix), max_new_tokens)
+        if suffix:
+            session.feed(torch.tensor([suffix], device=self.device), phase="extend")
+        return session
 
     def new_row(self, prompt_length: int, timer: DeviceTimer) -> Session:
         """An empty single-row session whose prompt of ``prompt_length`` tokens is about to be prefilled."""
@@ -520,10 +542,11 @@ class Engine:
             self.compress_prompt_layer(session, layer, session.cache.kv(layer), stats[layer], own)
             session.cache.pass_stats[layer] = AttentionStats()
 
-    def finish_row(self, session: Session, prompt_length: int, logits: Tensor, suffix: list[int],
-                   max_new_tokens: int) -> Session:
-        """After the prompt pass and its compression: the row's records, its storage planned for what
-        follows, then its ``suffix`` fed uncompressed. logits: (1, q, V) of the pass."""
+    def finish_row(self, session: Session, prompt_length: int, logits: Tensor, suffix_length: int,
+                   max_new_tokens: int) -> None:
+        """After the prompt pass and its compression: the row's records, its storage planned for what follows
+        (a suffix of ``suffix_length`` tokens, fed uncompressed by the caller, then decoding). logits: (1, q, V)
+        of the pass."""
         cache = session.cache
         session.host_n_keep = session.layer_n_keep.cpu().numpy()
         session.logits = logits[:, -1]
@@ -531,10 +554,7 @@ class Engine:
         session.kv_bytes_full = [prompt_length * self._token_bytes(cache)]
         session.kv_bytes_compressed = [self.row_bytes(cache, 0)]
         session.prompt_lengths = [prompt_length]
-        self._plan_capacity(session, extra=len(suffix), max_new_tokens=max_new_tokens)
-        if suffix:
-            session.feed(torch.tensor([suffix], device=self.device), phase="extend")
-        return session
+        self._plan_capacity(session, extra=suffix_length, max_new_tokens=max_new_tokens)
 
     def _prompt_stats(self, cache: CompressedCache, layer: int, observed: list, seen: int,
                       chunked: bool) -> AttentionStats:

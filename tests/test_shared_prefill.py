@@ -105,8 +105,8 @@ def test_deferred_points_whose_call_together_raises_go_on_one_by_one_from_that_l
 
 
 def test_compressions_overlapped_with_the_pass_give_the_rows_in_line(tiny_model):
-    """``overlap=True`` (a worker thread beside the pass; on CUDA also a stream of its own): every method, deferred
-    ones included, at two budgets in one group: each point's row as the in-line pass gives it."""
+    """``overlap=True`` (a worker thread beside the pass): every method, deferred ones included, at two budgets in
+    one group: each point's row as the in-line pass gives it."""
     engines = [Engine(tiny_model, build(name), Budget("fraction", b)) for name in METHODS for b in (0.2, 0.5)]
     prompt = random_prompts([61], tiny_model.config.vocab_size, seed=7)[0]
     in_line = prefill_points(engines, prompt, 6, [], overlap=False)
@@ -152,3 +152,90 @@ def test_on_cuda_the_overlapped_compressions_give_the_rows_in_line():
         assert not isinstance(got, Exception) and not isinstance(want, Exception), (got, want)
         for layer, (a, b) in enumerate(zip(got.cache.layers, want.cache.layers)):
             assert_same_layer(a, b, f"{engine.method.name} {engine.budget.value} layer {layer}", exact=False)
+
+
+def test_sets_over_every_query_share_one_column_sum_pass(tiny_model, monkeypatch):
+    """H2O's column sums and EMS's column and window sums come from one column-sum pass a layer (its column sums
+    do not depend on the window); D2O's per-query-head sums and SnapKV's window alone keep a pass each; every
+    point's row is still its row alone."""
+    from kvbench import attention
+
+    calls = []
+    column_sums = attention.column_sums_from_lse
+
+    def counted(query, keys, *args, **kwargs):
+        calls.append((query.shape[2], keys.shape[1]))
+        return column_sums(query, keys, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "column_sums_from_lse", counted)
+    engines = [Engine(tiny_model, build(name), Budget("fraction", 0.35)) for name in ("h2o", "ems", "d2o", "snapkv")]
+    prompt = random_prompts([61], tiny_model.config.vocab_size, seed=9)[0]
+    rows = prefill_points(engines, prompt, 6, [])
+    layers = tiny_model.config.num_hidden_layers
+    heads = tiny_model.config.num_attention_heads
+    kv_heads = tiny_model.config.num_key_value_heads
+    every_query = [c for c in calls if c[0] == len(prompt)]
+    assert len(calls) == 3 * layers  # before: H2O's set and EMS's set each had a pass of their own (4 a layer)
+    assert sorted(set(every_query)) == sorted({(len(prompt), kv_heads), (len(prompt), heads)})
+    assert len(every_query) == 2 * layers
+    for engine, row in zip(engines, rows):
+        alone = engine.prefill_row(prompt, 6)
+        for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
+            assert_same_layer(got, want, f"{engine.method.name} layer {layer}")
+
+
+def suffix_rows(model, monkeypatch):
+    """Every method at two budgets prefilled with a suffix: (engines, rows, prompt, suffix, the shapes of the
+    passes that fed several rows at once)."""
+    from kvbench.engine import Session
+
+    passes = []
+    together = Session.feed_together
+    monkeypatch.setattr(Session, "feed_together", staticmethod(
+        lambda sessions, tokens, *args, **kwargs: passes.append(tuple(tokens.shape)) or together(
+            sessions, tokens, *args, **kwargs)))
+    engines = [Engine(model, build(name), Budget("fraction", b)) for name in METHODS for b in (0.2, 0.5)]
+    prompt, suffix = random_prompts([61, 9], model.config.vocab_size, seed=11)
+    return engines, prefill_points(engines, prompt, 6, suffix), prompt, suffix, passes
+
+
+def test_on_a_cpu_each_points_suffix_is_fed_on_its_row_as_alone(tiny_model, monkeypatch):
+    """Query-agnostic prompts on a CPU: the question (suffix) is fed row by row (a GEMM of more rows rounds a
+    row's last bits differently), so every method's row, state and logits are exactly those it gets alone."""
+    engines, rows, prompt, suffix, passes = suffix_rows(tiny_model, monkeypatch)
+    assert passes == []
+    for engine, row in zip(engines, rows):
+        assert not isinstance(row, Exception), row
+        alone = engine.prefill_row(prompt, 6, suffix)
+        for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
+            assert_same_layer(got, want, f"{engine.method.name} {engine.budget.value} layer {layer}")
+        assert torch.equal(row.logits, alone.logits), engine.method.name
+        assert torch.equal(row.next_index, alone.next_index)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_every_points_suffix_goes_through_one_pass(monkeypatch):
+    """On CUDA the suffix of every point's row goes through one forward pass (``Session.feed_together``), each row
+    attending over its own cache: the rows are those the same shared pass gives feeding each suffix alone, but
+    for the GEMMs' rounding of more rows (the GPU runs, ``scripts/gpu_session.sh tests``)."""
+    from kvbench import models
+    from kvbench.engine import Session
+    from tests.conftest import tiny_model_config
+
+    model = models.load(tiny_model_config(device="cuda")).model
+    engines, rows, prompt, suffix, passes = suffix_rows(model, monkeypatch)
+    assert passes == [(len(engines), len(suffix))]
+    monkeypatch.setattr(Session, "feed_together", staticmethod(  # each row's suffix through a pass of its own
+        lambda sessions, tokens, phase, *args: [s.feed(tokens[:1], phase) for s in sessions]))
+    one_by_one = prefill_points(engines, prompt, 6, suffix)
+    for engine, row, alone in zip(engines, rows, one_by_one):
+        assert not isinstance(row, Exception) and not isinstance(alone, Exception), (row, alone)
+        assert torch.equal(row.next_index, alone.next_index)
+        for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
+            where = f"{engine.method.name} {engine.budget.value} layer {layer}"
+            assert torch.equal(got.kv.lengths, want.kv.lengths), where
+            n = int(want.kv.lengths.max())
+            assert torch.equal(got.kv.positions[:, :, :n], want.kv.positions[:, :, :n]), where
+            for a, b in ((got.kv.keys, want.kv.keys), (got.kv.values, want.kv.values)):
+                torch.testing.assert_close(a[:, :, :n].float(), b[:, :, :n].float(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(row.logits.float(), alone.logits.float(), rtol=1e-4, atol=1e-4)
