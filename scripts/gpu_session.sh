@@ -3,7 +3,7 @@
 # transformers, pandas, pyarrow, ... (scripts/gpu_image_packages.txt) and whose other kvbench dependencies travel
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
-#   bash $s setup; bash $s tests [pytest paths] (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep
+#   bash $s setup; bash $s tests [pytest paths] (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep; bash $s points --methods A,B ...
 #   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
@@ -77,10 +77,12 @@ steps)  # the merging methods' decode step of one layer (Llama-3.1-8B shape: 8 K
   done ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
+points)  # the kernels of a fused sweep's replayed decode step (scripts/profile_points.py arguments follow)
+  timeout 420 python3 -m scripts.profile_points "$@" 2>&1 | grep -vE "^(Loading|USDT)" | tee $work/points.md ;;
 targets)
   python3 scripts/efficiency_targets.py --root $work/eff --profile gpu --out $work/targets.md ;;
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, kernels-slow, e2e, bench, decode, sweep, prefill, steps, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, kernels-slow, e2e, bench, decode, sweep, prefill, steps, points, grid, targets, pack"; exit 2 ;;
 esac

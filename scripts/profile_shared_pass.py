@@ -1,0 +1,125 @@
+"""Whether a fused sweep's shared prompt pass waits for the device or for the host (issue 22): one prompt's
+``prefill_points`` for many points (methods x budgets) in one process: twice to compile and warm up, ``--repeats``
+times timed (with ``--suffix``, also with every row's suffix fed by a pass of its own), then once under
+torch.profiler.
+
+    python -m scripts.profile_shared_pass --methods full,streamingllm,h2o,snapkv,pyramidkv,tova,cam,d2o,kvmerger,ems,weightedkv,chelsea \
+        --budgets 0.2,0.35,0.5 --length 16000
+
+Prints the pass's wall, the device's busy time (the union of its kernels' intervals) and idle share, kernels and
+their summed time, the host's time in calls that wait for the device (synchronisations, copies to the host), and
+the kernels and host operators that take most of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvbench import models
+from kvbench.engine import Engine, Session, _sync
+from kvbench.shared_prefill import prefill_points
+from scripts.bench_decode_loop import prompts
+from scripts.profile_decode import configs
+from scripts.profile_points import point_arguments, point_engines
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals (microseconds in, seconds out)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e6
+
+
+def timed(engines: list[Engine], prompt: list[int], suffix: list[int], repeats: int) -> str:
+    """The shared pass's wall, best and mean of ``repeats``."""
+    walls = []
+    for _ in range(repeats):
+        _sync(engines[0].device)
+        start = time.perf_counter()
+        rows = prefill_points(engines, prompt, 30, suffix)
+        _sync(engines[0].device)
+        walls.append(time.perf_counter() - start)
+        del rows
+    return f"wall {min(walls):.3f} s (best of {repeats}; mean {sum(walls) / len(walls):.3f} s)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    point_arguments(parser)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--suffix", type=int, default=0, help="a suffix of this many tokens (query-agnostic prompts): "
+                        "the pass is also timed with every row's suffix fed by a pass of its own")
+    args = parser.parse_args()
+    model_cfg, _ = configs(args.model, "full")
+    lm = models.load(model_cfg)
+    device = lm.model.device
+    prompt, suffix = prompts(len(lm.tokenizer), [args.length, args.suffix])
+    engines = [engine for name, per_budget in point_engines(args, lm.model).items()
+               for engine in (per_budget[:1] if name == "full" else per_budget)]  # a sweep runs the full cache once
+    for _ in range(2):  # compile, warm up
+        rows = prefill_points(engines, prompt, 30, suffix)
+        del rows
+    print(f"== unprofiled: {timed(engines, prompt, suffix, args.repeats)}", flush=True)
+    if suffix:
+        together = Session.feed_together
+        Session.feed_together = staticmethod(lambda sessions, tokens, phase, *rest: [
+            session.feed(tokens[:1], phase) for session in sessions])
+        print(f"== unprofiled, every row's suffix by a pass of its own: {timed(engines, prompt, suffix, args.repeats)}",
+              flush=True)
+        Session.feed_together = together
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        rows = prefill_points(engines, prompt, 30, suffix)
+        _sync(device)
+        wall = time.perf_counter() - start
+    errors = [row for row in rows if isinstance(row, Exception)]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    busy = busy_seconds([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    waits = defaultdict(float)
+    for e in runtime:
+        if e["name"] in WAITS:
+            waits[e["name"]] += e["dur"] / 1e6
+    launches = Counter(e["name"] for e in runtime)
+    threads = defaultdict(list)  # host thread -> its operators' intervals (the pass's, the worker's)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "cuda_runtime"):
+            threads[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    print(f"== {len(engines)} points, {args.length} tokens ({len(errors)} errors): wall {wall:.3f} s, device busy "
+          f"{busy:.3f} s (idle {1 - busy / wall:.0%}), {len(kernels)} kernels summing "
+          f"{sum(e['dur'] for e in kernels) / 1e6:.3f} s")
+    print("   host calls that wait for the device: " + ", ".join(f"{name} {s:.3f} s" for name, s in waits.items()))
+    print("   host threads busy: " + ", ".join(f"thread {tid}: {busy_seconds(spans):.3f} s"
+                                               for tid, spans in threads.items()))
+    print("   runtime calls: " + ", ".join(f"{name} x{n}" for name, n in launches.most_common(8)))
+    totals, counts = defaultdict(float), Counter()
+    for e in kernels:
+        totals[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    print("   top kernels:")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"   {us / 1e3:9.2f} ms x{counts[name]:6d}  {name[:110]}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
