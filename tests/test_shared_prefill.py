@@ -228,14 +228,14 @@ def test_on_cuda_every_points_suffix_goes_through_one_pass(monkeypatch):
     monkeypatch.setattr(Session, "feed_together", staticmethod(  # each row's suffix through a pass of its own
         lambda sessions, tokens, phase, *args: [s.feed(tokens[:1], phase) for s in sessions]))
     one_by_one = prefill_points(engines, prompt, 6, suffix)
-    for engine, row, alone in zip(engines, rows, one_by_one):
-        assert not isinstance(row, Exception) and not isinstance(alone, Exception), (row, alone)
-        assert torch.equal(row.next_index, alone.next_index)
-        for layer, (got, want) in enumerate(zip(row.cache.layers, alone.cache.layers)):
+    for engine, row, own_pass in zip(engines, rows, one_by_one):
+        assert not isinstance(row, Exception) and not isinstance(own_pass, Exception), (row, own_pass)
+        assert torch.equal(row.next_index, own_pass.next_index)
+        for layer, (got, want) in enumerate(zip(row.cache.layers, own_pass.cache.layers)):
             where = f"{engine.method.name} {engine.budget.value} layer {layer}"
             assert torch.equal(got.kv.lengths, want.kv.lengths), where
             n = int(want.kv.lengths.max())
             assert torch.equal(got.kv.positions[:, :, :n], want.kv.positions[:, :, :n]), where
             for a, b in ((got.kv.keys, want.kv.keys), (got.kv.values, want.kv.values)):
                 torch.testing.assert_close(a[:, :, :n].float(), b[:, :, :n].float(), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(row.logits.float(), alone.logits.float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(row.logits.float(), own_pass.logits.float(), rtol=1e-4, atol=1e-4)
