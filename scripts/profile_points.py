@@ -7,7 +7,8 @@ many points (methods x budgets, ``--slots`` rows each, ragged prompts around ``-
 
 Prints per set of points: replayed step wall, GPU time and kernels per step (``profile_decode.kernel_table``:
 by category and the top kernels), kernels per point and layer, and the step's bytes-read bound (weights once,
-every row's K+V bytes) with the achieved fraction.
+every row's K+V bytes) with the achieved fraction. On a CPU (a smoke run on the tiny model) it counts the
+outermost aten operators of a step instead of kernels.
 """
 
 from __future__ import annotations
