@@ -8,7 +8,8 @@ torch.profiler.
 
 Prints the pass's wall, the device's busy time (the union of its kernels' intervals) and idle share, kernels and
 their summed time, the host's time in calls that wait for the device (synchronisations, copies to the host), and
-the kernels and host operators that take most of it.
+the kernels (``profile_decode.kernel_table``: by category, then the top ones) and host operators that take most
+of it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvbench import models
 from kvbench.engine import Engine, Session, _sync
 from kvbench.shared_prefill import prefill_points
 from scripts.bench_decode_loop import prompts
-from scripts.profile_decode import configs
+from scripts.profile_decode import configs, kernel_table
 from scripts.profile_points import point_arguments, point_engines
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
@@ -78,9 +79,11 @@ def main() -> None:
         together = Session.feed_together
         Session.feed_together = staticmethod(lambda sessions, tokens, phase, *rest: [
             session.feed(tokens[:1], phase) for session in sessions])
-        print(f"== unprofiled, every row's suffix by a pass of its own: {timed(engines, prompt, suffix, args.repeats)}",
-              flush=True)
-        Session.feed_together = together
+        try:
+            print(f"== unprofiled, every row's suffix by a pass of its own: "
+                  f"{timed(engines, prompt, suffix, args.repeats)}", flush=True)
+        finally:
+            Session.feed_together = together
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -111,13 +114,8 @@ def main() -> None:
     print("   host threads busy: " + ", ".join(f"thread {tid}: {busy_seconds(spans):.3f} s"
                                                for tid, spans in threads.items()))
     print("   runtime calls: " + ", ".join(f"{name} x{n}" for name, n in launches.most_common(8)))
-    totals, counts = defaultdict(float), Counter()
-    for e in kernels:
-        totals[e["name"]] += e["dur"]
-        counts[e["name"]] += 1
-    print("   top kernels:")
-    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"   {us / 1e3:9.2f} ms x{counts[name]:6d}  {name[:110]}")
+    if device.type == "cuda":  # the pass's kernels by category and the top ones (microseconds in the pass)
+        print("\n".join(kernel_table(prof, 1, args.top)[0]))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 
