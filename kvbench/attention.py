@@ -34,6 +34,7 @@ After the attention, the engine's ``after_layer`` hook (per-layer prompt compres
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -265,6 +266,50 @@ def _rope(model, keys: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Ten
     cos, sin = cos.view(B, H, T, D).to(keys.dtype), sin.view(B, H, T, D).to(keys.dtype)
     half = D // 2
     return cos, sin, torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+
+
+class Rope:
+    """A model's rotate-half RoPE as a method's kernel may take it off stored keys itself: EMS's decode step reads
+    the raw keys of the slots it scans from the stored keys instead of an un-RoPE'd copy of the whole cache.
+
+    ``unrotate(keys, positions)``: ``unrotate_keys``. ``frequencies``: (inv_freq (D/2,) float32, scaling) such that
+    the model's cos and sin at position p are cos(p * inv_freq) * scaling and sin(p * inv_freq) * scaling in float32,
+    rounded to the keys' dtype (the rotary embedding's forward), so that a kernel derives them in registers; None
+    for RoPE types whose frequencies follow the sequence length (dynamic, longrope), which only ``unrotate`` takes.
+    ``table(dtype)``: (cos, sin), each (P, D/2) in ``dtype``, the rotary embedding's own values at positions
+    0..P-1 (P: the model's context, at most ``TABLE_POSITIONS``), one per model and dtype, so that a kernel reads
+    them instead of computing two float32 transcendentals per key element (past P it computes them).
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.rotary = model.model.rotary_emb
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        self.frequencies: tuple[torch.Tensor, float] | None = None
+        if "dynamic" not in rope_type and rope_type != "longrope":
+            self.frequencies = (self.rotary.inv_freq.float().contiguous(), float(self.rotary.attention_scaling))
+
+    def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return unrotate_keys(self.model, keys, positions)
+
+    def table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at positions 0..P-1 in ``dtype``; made on the first call (not inside a CUDA graph's capture:
+        the engine asks before any decode step)."""
+        tables = _ROPE_TABLES.setdefault(self.rotary, {})
+        if dtype not in tables:
+            config = self.model.config
+            count = min(getattr(config, "max_position_embeddings", TABLE_POSITIONS) or TABLE_POSITIONS,
+                        TABLE_POSITIONS)
+            inv_freq = self.rotary.inv_freq
+            positions = torch.arange(count, device=inv_freq.device).view(1, count)
+            cos, sin = self.rotary(torch.empty(0, dtype=dtype, device=inv_freq.device), positions)
+            half = inv_freq.shape[0]
+            tables[dtype] = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
+        return tables[dtype]
+
+
+TABLE_POSITIONS = 131072  # at most this many positions in a ``Rope.table`` (Llama 3.1's context: 32 MiB in bf16)
+_ROPE_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotary module -> dtype -> (cos, sin)
 
 
 def unrotate_keys(model, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

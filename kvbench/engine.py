@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvbench.attention import attach, rotate_keys, unrotate_keys
+from kvbench.attention import Rope, attach, rotate_keys, unrotate_keys
 from kvbench.budget import Budget
 from kvbench.cache import CompositeCache, CompressedCache, PassPlan, row_index
 from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
@@ -254,9 +254,13 @@ class Session:
         due = self.due_rows() if compress else np.zeros(len(self.row_steps), bool)
         with torch.inference_mode():  # the state tensors were made in inference mode; keep methods there
             for index, layer in enumerate(cache.layers):
-                stats = engine.with_raw_keys(layer.kv, cache.pass_stats[index], method.decode_needs, decoding=True)
+                stats = cache.pass_stats[index]
                 method.observe(index, layer.kv, stats)
                 action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
+                if action == "in_place" and q == 1 and method.unrotates_in_place:
+                    stats.rope = engine.rope  # the step un-RoPEs the keys it reads, not a copy of the cache
+                elif action != "none":
+                    stats = engine.with_raw_keys(layer.kv, stats, method.decode_needs, decoding=True)
                 if action == "in_place" and q == 1:
                     method.evict_one(index, layer.kv, stats, self.layer_n_keep[index])
                     layer.removed_one()
@@ -380,6 +384,11 @@ class Engine:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # what a pass's attention reads instead of a method's stored slots (PassPlan.expand)
         self.expand = partial(method.expand, rotate=partial(rotate_keys, model)) if method.expands_slots else None
+        self.rope = Rope(model) if method.unrotates_in_place else None
+        dtype = next(model.parameters()).dtype
+        if self.rope is not None and self.cuda_graphs and self.rope.frequencies is not None and dtype in (
+                torch.bfloat16, torch.float16):
+            self.rope.table(dtype)  # for the Triton step's RoPE, made now: never inside a captured decode step
 
     def with_method(self, method: Method, budget: Budget) -> "Engine":
         """The same model and engine settings with another method and budget (reference systems)."""

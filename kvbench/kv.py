@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from torch import Tensor
 from kvbench.kernels.append import append_slots
 from kvbench.kernels.lut_expand import fold_entries
 from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
+
+if TYPE_CHECKING:
+    from kvbench.attention import Rope
 
 
 @dataclass
@@ -303,6 +307,8 @@ class AttentionStats:
     query_column_sums:  (B, H_q, T) column_sums per *query* head (not averaged over the GQA group; query head
                         h reads KV head h // group), for methods whose rule is stated per query head (D2O).
     num_queries:        (B,) number of real queries in this pass.
+    rope:               instead of raw_keys, for the in-place decode step of a method that takes RoPE off the
+                        stored keys itself (``Method.unrotates_in_place``): the model's ``attention.Rope``.
     """
 
     column_sums: Tensor | None = None
@@ -311,6 +317,7 @@ class AttentionStats:
     raw_keys: Tensor | None = None
     query_column_sums: Tensor | None = None
     num_queries: Tensor | None = None
+    rope: Rope | None = None
 
     def take_rows(self, rows: Tensor) -> "AttentionStats":
         """The statistics of batch rows ``rows`` (n,), as ``LayerKV.take_rows`` takes their slots."""

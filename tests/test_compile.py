@@ -111,21 +111,27 @@ def test_compiled_layers_replay_in_cuda_graphs(name):
 
 def test_decode_steps_unrotate_keys_through_the_compiled_function(tiny_model, monkeypatch):
     """The wiring, without compiling: EMS's raw keys go through ``compiled_function(unrotate_keys)`` in decode
-    steps of a compiling engine only (prompt compression and a non-compiling engine run them eagerly)."""
+    steps that compress (``decode_path="compress"``) of a compiling engine only (prompt compression and a
+    non-compiling engine run them eagerly); for its in-place steps the engine un-RoPEs nothing and hands the step
+    the model's RoPE instead (``Method.unrotates_in_place``: the Triton step takes it off the keys it reads)."""
     from kvbench import engine as engine_module
     from kvbench.attention import unrotate_keys
     from kvbench.methods.ems import EMS
 
-    wrapped = []
+    wrapped, unrotated = [], []
     monkeypatch.setattr(engine_module, "compiled_function", lambda fn: wrapped.append(fn) or fn)
     monkeypatch.setattr(engine_module, "compiled_decode", lambda model, enabled: contextlib.nullcontext())
+    monkeypatch.setattr(engine_module, "unrotate_keys", lambda *args: unrotated.append(1) or unrotate_keys(*args))
     prompt = torch.randint(3, tiny_model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    for compile, expected in ((True, 2), (False, 0)):
+    layers = tiny_model.config.num_hidden_layers
+    for compile, decode_path, expected in ((True, "compress", 2), (False, "compress", 0), (True, "in_place", 0)):
         wrapped.clear()
-        session = Engine(tiny_model, EMS(window=4), Budget("tokens", 12), compile=compile).prefill(
-            [prompt.tolist()], max_new_tokens=2)
+        session = Engine(tiny_model, EMS(window=4), Budget("tokens", 12), compile=compile,
+                         decode_path=decode_path).prefill([prompt.tolist()], max_new_tokens=2)
         assert wrapped == []  # prompt compression: eager
+        unrotated.clear()
         for _ in range(2):
             session.feed(session.logits.argmax(-1).view(-1, 1))
-        assert len(wrapped) == expected * tiny_model.config.num_hidden_layers
-        assert set(wrapped) <= {unrotate_keys}
+        assert len(wrapped) == expected * layers
+        assert set(wrapped) <= {engine_module.unrotate_keys}
+        assert len(unrotated) == (0 if decode_path == "in_place" else 2 * layers)

@@ -20,7 +20,7 @@ One row of ``keep + 1`` slots (any slot order; positions say which token a slot 
 Entries of the other slots keep their state exactly (compress re-derives their merged_mass as
 (score + merged_mass) - score, equal up to float32 rounding).
 
-Torch reference; ``triton_ems_step`` holds the three-launch kernel of the same signature (``dispatch``).
+Torch reference; ``triton_ems_step`` holds the kernel of the same signature (three or four launches) (``dispatch``).
 Shapes: keys, raw_keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths
 (B, H) long; state (S, B, H, C) float32, every per-slot state stacked; ``scores`` (s_glo, s_loc_past,
 s_loc_cur) and ``merges`` (merged_mass, merged_tokens, logit_bias or None) rows of it; ``lut`` the tables
@@ -30,6 +30,7 @@ s_loc_cur) and ``merges`` (merged_mass, merged_tokens, logit_bias or None) rows 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -38,6 +39,9 @@ from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.redundancy import redundancy, rotate_like
 from kvbench.kernels.similarity import unit_keys
 from kvbench.kernels.slots import move_last_into
+
+if TYPE_CHECKING:
+    from kvbench.attention import Rope
 
 
 def global_local_score(s_glo: Tensor, s_loc: Tensor, valid: Tensor) -> Tensor:
@@ -84,16 +88,22 @@ def _at(x: Tensor, slot: Tensor) -> Tensor:
     return x.gather(2, slot.view(*slot.shape, 1, 1).expand(-1, -1, 1, x.shape[-1]))
 
 
-def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, raw_keys: Tensor,
-             scores: tuple[Tensor, Tensor, Tensor], merges: tuple[Tensor, Tensor, Tensor | None],
-             lut: tuple[Tensor, Tensor, Tensor] | None, n_keep: Tensor, window: int, tau: float, gamma: float,
-             similarity: str, with_positions: bool) -> None:
-    """Merge or evict, and remove, one slot of every row in place (module docstring); ``lengths`` drop by one."""
+def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor,
+             raw_keys: Tensor | None, scores: tuple[Tensor, Tensor, Tensor],
+             merges: tuple[Tensor, Tensor, Tensor | None], lut: tuple[Tensor, Tensor, Tensor] | None, n_keep: Tensor,
+             window: int, tau: float, gamma: float, similarity: str, with_positions: bool,
+             rope: Rope | None = None) -> None:
+    """Merge or evict, and remove, one slot of every row in place (module docstring); ``lengths`` drop by one.
+    The raw keys come as ``raw_keys`` or, with ``raw_keys=None``, from the stored keys through ``rope``
+    (``attention.Rope``): here its ``unrotate`` of every slot; the Triton step derives them in registers, from the
+    keys of the slots it reads, rounded as ``unrotate`` rounds them (its RoPE ``frequencies``, 16-bit keys)."""
     if use_triton("ems_step", keys):
         from kvbench.kernels import triton_ems_step
 
         return triton_ems_step.ems_step(keys, values, positions, lengths, state, raw_keys, scores, merges, lut,
-                                        n_keep, window, tau, gamma, similarity, with_positions)
+                                        n_keep, window, tau, gamma, similarity, with_positions, rope)
+    if raw_keys is None:
+        raw_keys = rope.unrotate(keys, positions)
     s_glo, s_loc_past, s_loc_cur = scores
     merged_mass, merged_tokens, logit_bias = merges
     C = positions.shape[-1]

@@ -9,7 +9,9 @@ Capabilities are class data, read by the engine: ``needs`` (statistics the engin
 ``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
 ``budget_basis`` (what a fractional budget is a fraction of), ``budget_needs`` (statistics
 ``layer_budgets`` reads: such a method cannot compress a layer before every layer has run),
-``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``expands_slots``
+``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``unrotates_in_place``
+(``evict_one`` of a method that needs ``raw_keys`` takes them off the stored keys itself, from ``stats.rope``,
+instead of reading ``stats.raw_keys``: the engine then un-RoPEs no copy of the cache), ``expands_slots``
 (attention reads ``expand``'s entries instead of the stored slots; a property, since it may depend on the
 method's configuration: EMS with its look-up table). The engine asks ``expand`` only of a method that
 declares it, so no other method pays anything.
@@ -46,6 +48,7 @@ class Method:
     budget_basis: ClassVar[str] = "prompt"
     budget_needs: ClassVar[frozenset[str]] = frozenset()
     evicts_in_place: ClassVar[bool] = False
+    unrotates_in_place: ClassVar[bool] = False
 
     compress_during_decode: bool = False
     decode_interval: int = 1

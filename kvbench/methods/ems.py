@@ -119,6 +119,7 @@ class EMS(Method):
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention", "raw_keys"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
     evicts_in_place: ClassVar[bool] = True
+    unrotates_in_place: ClassVar[bool] = True
 
     window: int = 32
     kernel_size: int = 7
@@ -199,14 +200,15 @@ class EMS(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place, the look-up table included
         (``kernels.ems_step``): the lowest-scoring centre merges into its most redundant other centre, or
-        leaves for the zero class."""
+        leaves for the zero class. The raw keys: ``stats.raw_keys``, or the kernel's own from ``stats.rope``
+        (``unrotates_in_place``)."""
         state = kv.state
         lut = (kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]) if self.expansion == "lut" \
             else None
         ems_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), stats.raw_keys,
                  (state["s_glo"], state["s_loc_past"], state["s_loc_cur"]),
                  (state["merged_mass"], state["merged_tokens"], state.get(LOGIT_BIAS)), lut, n_keep, self.window,
-                 self.tau, self.gamma, self.similarity, self.positions == "with")
+                 self.tau, self.gamma, self.similarity, self.positions == "with", stats.rope)
 
     # -- the algorithm --------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ Prints the number of variants compiled; a compile error exits non-zero with Trit
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -20,7 +21,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8",
+POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8",
             torch.bool: "*i1"}
 compiled: list[str] = []
 
@@ -73,6 +74,11 @@ def main() -> None:
                                                           (None, 1.0, "value", False, state[5])):
         triton_ems_step.ems_step(*layer, keys, tuple(state[:3]), (state[3], state[4], bias), lut, n_keep, 32, 0.6,
                                  gamma, similarity, with_positions)
+    rope = SimpleNamespace(frequencies=(torch.rand(D // 2), 1.0),  # RoPE taken off in registers (16-bit keys)
+                           table=lambda dtype: (torch.rand(64, D // 2).to(dtype), torch.rand(64, D // 2).to(dtype)))
+    for dtype in (torch.bfloat16, torch.float16):
+        triton_ems_step.ems_step(keys.to(dtype), values.to(dtype), *layer[2:], None, tuple(state[:3]),
+                                 (state[3], state[4], None), table, n_keep, 32, 0.6, 4.0, "key_value", False, rope)
     triton_ems_step.ems_observe(*state[:5], lengths, 32)
     triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, None)
     triton_observe.observe_pass(state[0], state[1], state[2], positions, lengths, torch.ones(B, dtype=torch.long))

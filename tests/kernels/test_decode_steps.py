@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kvbench.kernels
 
+from kvbench.attention import Rope
 from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step,
                              triton_ems_step, triton_observe, triton_weightedkv_step, weightedkv_step)
 from kvbench.kernels.dispatch import use_backend
@@ -186,6 +190,57 @@ def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
             torch.testing.assert_close(got_table, want_table, msg=name)
 
 
+def llama3_rope(head_dim: int, context: int = 131072) -> Rope:
+    """Llama 3.1's RoPE (theta 500,000, llama3 frequency scaling) at ``head_dim``, on the default device; ``context``:
+    the positions its table holds."""
+    config = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                         max_position_embeddings=context,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192})
+    return Rope(SimpleNamespace(config=config, model=SimpleNamespace(rotary_emb=LlamaRotaryEmbedding(config).to(
+        torch.get_default_device()))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rule", [EMS_RULES[0], EMS_RULES[4]], ids=str)
+@pytest.mark.parametrize("context", [131072, 99950], ids=["table", "past_the_table"])
+def test_ems_step_unrotates_the_keys_it_reads(dtype, rule, context, output_tolerance):
+    """With the model's RoPE instead of raw keys (``raw_keys=None``), the Triton step takes RoPE off the stored keys
+    of the slots it reads (16-bit keys) or off every slot (float32), at positions near 100k (large angles), and
+    leaves the reference's cache; in registers it rounds the raw keys as ``Rope.unrotate`` does, so the step is the
+    step given those raw keys, to the bit, with cos and sin from the model's table or, for tiles holding a position
+    past it, computed (float16 only on a GPU there: the interpreter's cosine is numpy's, whose float32 last bit
+    differs from torch's often enough to show through float16's rounding)."""
+    tau, gamma, similarity, lut, with_positions, bias = rule
+    shape = (2, 2, 65, 64)
+    rope = llama3_rope(shape[-1], context)
+
+    def make():
+        s = ems_storage(shape, dtype, 7, lut, bias, entries=11)
+        s["positions"] += 100000 - 2 * shape[2] - 2
+        if lut:
+            s["lut"] = tuple(torch.where(t >= 0, t + 100000 - 2 * shape[2] - 2, t) if i < 2 else t
+                             for i, t in enumerate(s["lut"]))
+        return s
+
+    def call(step, s, raw_keys=None):
+        merges = (s["state"][3], s["state"][4], s["state"][5] if bias else None)
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], raw_keys, tuple(s["state"][:3]),
+             merges, s.get("lut"), s["n_keep"], 3, tau, gamma, similarity, with_positions, rope)
+
+    got, want = run_both(ems_step.ems_step, triton_ems_step.ems_step, make, call)
+    assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)
+    if dtype == torch.float16 and context < 131072 and MODE != "cuda":
+        return
+    given = make()
+    call(triton_ems_step.ems_step, given, rope.unrotate(given["keys"], given["positions"]))
+    for name in ("keys", "values", "positions", "lengths", "state"):
+        assert torch.equal(got[name], given[name]), name
+    for got_table, given_table in zip(got.get("lut", ()), given.get("lut", ())):
+        assert torch.equal(got_table, given_table)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("queries", [None, "per_row"])
 def test_observe_pass_matches_reference(shape, queries):
@@ -284,12 +339,12 @@ class Launches(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name,launches", [("cam", 2), ("cam_h2o", 2), ("weightedkv", 2), ("d2o", 4),
-                                           ("d2o_layer_threshold", 4), ("ems", 4), ("ems_bias", 4)])
-def test_fused_decode_step_issues_two_to_four_operations(monkeypatch, name, launches):
+                                           ("d2o_layer_threshold", 4), ("ems", 5), ("ems_bias", 4)])
+def test_fused_decode_step_issues_two_to_five_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
     decode storage: the device runs its kernels (CaM's and D2O's observe: one torch addition; D2O's and EMS's
-    steps: three launches, a row's scans, the block-split best match, the merge) and nothing else but scratch
-    allocations (the torch path issues ~50-300 operations)."""
+    steps: three launches, a row's scans, the block-split best match, the merge; EMS's look-up table a fourth)
+    and nothing else but scratch allocations (the torch path issues ~50-300 operations)."""
     method = build(name)
     g = torch.Generator().manual_seed(0)
     B, H, D, prompt = 2, 2, 8, 30
@@ -310,6 +365,37 @@ def test_fused_decode_step_issues_two_to_four_operations(monkeypatch, name, laun
         method.evict_one(0, kv, stats, n_keep)
     device_work = counter.kernels + [op for op in counter.torch_ops if op != "aten::empty"]
     assert len(device_work) == launches, device_work
+
+
+def test_ems_step_from_the_rope_issues_six_operations(monkeypatch):
+    """EMS's in-place step handed the model's RoPE instead of raw keys (what the engine does for 16-bit keys): its
+    kernels take RoPE off the keys they read, and no un-RoPE'd copy of the cache is made (observe and the five
+    launches of the step: phase 2 twice, the second for blocks past the RoPE table; with float32 keys
+    ``Rope.unrotate`` would run as torch operations first)."""
+    method = build("ems")
+    g = torch.Generator().manual_seed(0)
+    B, H, D, prompt = 2, 2, 8, 30
+    n_keep = torch.tensor([12, 9])
+    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g).bfloat16(),
+                            torch.randn(B, H, prompt, D, generator=g).bfloat16())
+    scores = torch.rand(B, H, prompt, generator=g)
+    with use_backend("torch"):
+        kv = method.compress(0, kv, AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys,
+                                                   num_queries=torch.full((B,), prompt)), n_keep, "prefill")
+    kv.resize(kv.capacity + 1)
+    kv.pack_state()
+    kv.write(torch.randn(B, H, 1, D, generator=g).bfloat16(), torch.randn(B, H, 1, D, generator=g).bfloat16(),
+             torch.full((B, 1), prompt))
+    rope = llama3_rope(D)
+    rope.table(torch.bfloat16)  # the engine makes it when it is built
+    stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
+                           rope=rope)
+    counter = Launches(monkeypatch)
+    with use_backend("triton"), counter:
+        method.observe(0, kv, stats)
+        method.evict_one(0, kv, stats, n_keep)
+    device_work = counter.kernels + [op for op in counter.torch_ops if op != "aten::empty"]
+    assert len(device_work) == 6, device_work
 
 
 @pytest.mark.parametrize("name", [
