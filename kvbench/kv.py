@@ -19,7 +19,7 @@ from torch import Tensor
 
 from kvbench.kernels.append import append_slots
 from kvbench.kernels.lut_expand import fold_entries
-from kvbench.kernels.slots import evict_lowest, move_last_into, select_lowest
+from kvbench.kernels.slots import budget_victim, evict_in_budget, evict_lowest, move_last_into, select_lowest
 
 if TYPE_CHECKING:
     from kvbench.attention import Rope
@@ -254,6 +254,17 @@ class LayerKV:
             self.remove_slot(self.lowest_slot(scores, sinks, recent))
         else:
             evict_lowest(scores, self.lengths, self.positions, sinks, recent, self.keys, self.values, block)
+
+    def evict_in_budget(self, scores: Tensor | None, n_keep: Tensor, sinks: int, heavy_ratio: float | None) -> None:
+        """Remove, in place, the slot each row drops under its budget n_keep (B,) (``kernels.slots.budget_victim``:
+        H2O's heavy/recent split of ``scores``, or StreamingLLM's order with ``heavy_ratio=None``); one launch in
+        Triton when the state is packed, the protected counts derived from the budget inside it."""
+        block = self.packed_state()
+        if block is None:
+            self.remove_slot(budget_victim(scores, self.lengths, self.positions, n_keep, sinks, heavy_ratio))
+        else:
+            evict_in_budget(scores, self.lengths, self.positions, n_keep, sinks, heavy_ratio, self.keys, self.values,
+                            block)
 
     def position_order(self) -> Tensor:
         """(B, H, C) slot indices that put each row's real slots in original-token order (after in-place

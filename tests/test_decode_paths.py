@@ -33,6 +33,7 @@ CASES = {name: (name, OVERRIDES.get(name, [])) for name in METHODS} | {
     "cam_h2o": ("cam", ["method.eviction=h2o"]),
     "cam_h2o_merge4": ("cam", ["method.eviction=h2o", "method.merge_tokens=4"]),  # fewer targets than later slots
     "cam_deterministic": ("cam", ["method.deterministic=true", "method.merge_tokens=4"]),
+    "h2o_mean": ("h2o", ["method.normalize=mean_over_observers"]),  # the score the step ranks is the mean too
     "d2o_layer_threshold": ("d2o", ["method.threshold_scope=layer"]),
     "d2o_code_mean": ("d2o", ["method.merge_rule=code_mean"]),
     "weightedkv_recent2": ("weightedkv", ["method.recent=2"]),

@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from kvbench.kernels.dispatch import use_triton
-from kvbench.kernels.select import eviction_order, heavy_split
-from kvbench.kernels.slots import move_last_into, next_slots, select_lowest
+from kvbench.kernels.slots import budget_victim, move_last_into, next_slots
 
 MASK32 = 0xFFFFFFFF
 
@@ -68,12 +67,7 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
 
         return triton_cam_step.cam_step(keys, values, positions, lengths, state, attention, n_keep, sinks,
                                         heavy_ratio, merge_tokens, key)
-    keep = torch.minimum(n_keep.to(lengths).unsqueeze(-1), lengths)  # (B, H)
-    if heavy_ratio is None:
-        scores, row_sinks, recent = eviction_order(positions, keep, sinks)
-    else:
-        scores, (row_sinks, recent) = attention, (t.squeeze(-1) for t in heavy_split(keep, heavy_ratio, sinks))
-    victim = select_lowest(scores, lengths, positions, row_sinks, recent)  # (B, H)
+    victim = budget_victim(attention, lengths, positions, n_keep, sinks, heavy_ratio)  # (B, H)
     targets, real = next_slots(positions, lengths, victim, merge_tokens)  # (B, H, n) each
     evicted = victim.unsqueeze(-1)  # (B, H, 1)
     total = torch.where(real, attention.gather(2, targets), 0.0).sum(-1, keepdim=True)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kvbench.kernels.dispatch import use_triton
+from kvbench.kernels.select import eviction_order, heavy_split
 
 
 def select_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor) -> Tensor:
@@ -65,6 +66,33 @@ def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor
         S = state.shape[0]
         state.scatter_(3, dest.expand(S, *dest.shape), state.gather(3, last.expand(S, *last.shape)))
     lengths -= 1
+
+
+def budget_victim(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
+                  heavy_ratio: float | None) -> Tensor:
+    """(B, H) the slot a row of keep = min(n_keep, length) + 1 slots drops under its budget's protection: H2O's
+    split (``heavy_ratio``: ``select.heavy_split`` of keep, the lowest of ``scores`` outside the sinks and the
+    recent window) or, with ``heavy_ratio=None``, StreamingLLM's order (``select.eviction_order``: the oldest
+    after the sinks; ``scores`` unused). n_keep: (B,) long."""
+    keep = torch.minimum(n_keep.to(lengths).unsqueeze(-1), lengths)  # (B, H)
+    if heavy_ratio is None:
+        scores, row_sinks, recent = eviction_order(positions, keep, sinks)
+    else:
+        row_sinks, recent = (t.squeeze(-1) for t in heavy_split(keep, heavy_ratio, sinks))
+    return select_lowest(scores, lengths, positions, row_sinks, recent)
+
+
+def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
+                    heavy_ratio: float | None, keys: Tensor, values: Tensor, state: Tensor) -> None:
+    """``budget_victim`` then ``move_last_into``: H2O's and StreamingLLM's decode step, the protected counts derived
+    from the budget on the device (one launch in Triton, where torch takes about ten small operations)."""
+    if use_triton("evict_in_budget", keys):
+        from kvbench.kernels import triton_slots
+
+        return triton_slots.evict_in_budget(scores, lengths, positions, n_keep, sinks, heavy_ratio, keys, values,
+                                            state)
+    move_last_into(budget_victim(scores, lengths, positions, n_keep, sinks, heavy_ratio), lengths, keys, values,
+                   positions, state)
 
 
 def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,

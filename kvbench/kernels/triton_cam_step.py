@@ -10,14 +10,12 @@ of the n targets' attention may round differently (a tree instead of torch's ord
 
 from __future__ import annotations
 
-import struct
-
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, lowest_unprotected, move_last,
-                                          newest_position, next_in_tile, next_position, scan_tile)
+from kvbench.kernels.triton_slots import (NO_POSITION, block_size, budget_victim, check_storage, move_last,
+                                          next_in_tile, next_position, ratio_bits, scan_tile)
 
 BLOCK_C = 8192  # slots per tile of a row scan
 WARPS = 16
@@ -60,19 +58,7 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     length = tl.load(len_ptr + row)
-    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
-    if HEAVY:  # select.heavy_split, in float64 as there
-        ratio = (RATIO_BITS + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)  # the float64 ratio, exactly
-        heavy = tl.floor(ratio * keep.to(tl.float64))
-        sinks = tl.minimum(heavy.to(tl.int64), SINKS)
-        recent = keep - heavy.to(tl.int64)
-        age_sign = 1
-    else:  # select.eviction_order: oldest first, newest first when the budget is all sinks
-        sinks = tl.minimum(keep, SINKS)
-        recent = keep * 0
-        age_sign = tl.where(keep - sinks > 0, 1, -1)
-    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    victim = lowest_unprotected(att_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, HEAVY, BLOCK_C)
+    victim, newest = budget_victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO_BITS, HEAVY, BLOCK_C)
     evicted = tl.load(pos_ptr + row * C + victim)
     # the n next positions, oldest first: targets (n,) slots, found (n,) whether each exists
     n = tl.arange(0, BLOCK_N)
@@ -113,9 +99,9 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     check_storage(lengths, keys, values, positions, state, attention)
     S, DV = state.shape[0], values.shape[-1]
     block_c = scan_tile(C, BLOCK_C)
-    ratio_bits = 0 if heavy_ratio is None else struct.unpack("<q", struct.pack("<d", heavy_ratio))[0]
     _step_kernel[(B * H,)](keys, values, positions, lengths, state, attention, n_keep.to(lengths).contiguous(),
-                           H, C, D, DV, S, B * H * C, sinks, ratio_bits, 0 if key is None else key, merge_tokens,
+                           H, C, D, DV, S, B * H * C, sinks, ratio_bits(heavy_ratio), 0 if key is None else key,
+                           merge_tokens,
                            HEAVY=heavy_ratio is not None, DRAW=key is not None, ONE_TILE=C <= block_c,
                            BLOCK_C=block_c, BLOCK_N=block_size(merge_tokens),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,

@@ -32,7 +32,6 @@ units in the last place).
 from __future__ import annotations
 
 import math
-import struct
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +41,7 @@ from torch import Tensor
 
 from kvbench.kernels.redundancy import SIMILARITIES
 from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
-                                          fold_lowest, move_last, newest_position, row_blocks, scan_tile)
+                                          fold_lowest, move_last, newest_position, ratio_bits, row_blocks, scan_tile)
 
 if TYPE_CHECKING:
     from kvbench.attention import Rope
@@ -498,7 +497,7 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
                                        NB, SIMILARITY=SIMILARITIES.index(similarity), UNROTATE=unrotate, FIXUP=fixup,
                                        TABLE=table, BLOCK_S=BLOCK_S, BLOCK_H=block_size(D // 2),
                                        BLOCK_DV=block_size(DV), BLOCK_E=BLOCK_E, num_warps=WARPS)
-    gamma_bits = 0 if math.isinf(gamma) else struct.unpack("<q", struct.pack("<d", gamma - 1))[0]
+    gamma_bits = ratio_bits(None if math.isinf(gamma) else gamma - 1)
     _merge_kernel[(rows,)](keys, raw, values, positions, lengths, state, n_keep, *scores, merged_mass,
                            merged_tokens, merged_mass if logit_bias is None else logit_bias, lut_part, lut_plan,
                            lut_norm, t, ratio, R, at_position, at_slot, *rope_args, H, C, D, DV, S, B * H * C, E, NB,

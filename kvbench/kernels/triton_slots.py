@@ -9,6 +9,8 @@ and ``row_blocks``) are also the parts of the merging methods' fused decode step
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -148,6 +150,45 @@ def move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, 
 
 
 @triton.jit
+def budget_victim(score_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO_BITS, HEAVY: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """(slot to drop, the row's newest position) of one row under its budget keep = min(n_keep, length)
+    (slots.budget_victim): H2O's split (``HEAVY``: select.heavy_split of keep, the float64 ratio's bits in
+    ``RATIO_BITS``, the lowest score outside sinks and recent window) or StreamingLLM's order
+    (select.eviction_order: the oldest after min(keep, SINKS) sinks, the newest when the budget is all sinks)."""
+    length = tl.load(len_ptr + row)
+    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
+    if HEAVY:  # select.heavy_split, in float64 as there
+        ratio = (RATIO_BITS + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)  # the float64 ratio, exactly
+        heavy = tl.floor(ratio * keep.to(tl.float64))
+        sinks = tl.minimum(heavy.to(tl.int64), SINKS)
+        recent = keep - heavy.to(tl.int64)
+        age_sign = 1
+    else:  # select.eviction_order: oldest first, newest first when the budget is all sinks
+        sinks = tl.minimum(keep, SINKS)
+        recent = keep * 0
+        age_sign = tl.where(keep - sinks > 0, 1, -1)
+    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
+    return lowest_unprotected(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, HEAVY,
+                              BLOCK_C), newest
+
+
+@triton.jit
+def _evict_in_budget_kernel(score_ptr, len_ptr, pos_ptr, keep_ptr, k_ptr, v_ptr, state_ptr, H, C, D, DV, S,
+                            state_stride, SINKS, RATIO_BITS, HEAVY: tl.constexpr, BLOCK_C: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    victim, _ = budget_victim(score_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO_BITS, HEAVY, BLOCK_C)
+    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride, BLOCK_D, BLOCK_DV,
+              BLOCK_S)
+
+
+def ratio_bits(ratio: float | None) -> int:
+    """The bits of a float64 ratio as an int64 kernel argument (a float argument would be rounded to float32)."""
+    return 0 if ratio is None else struct.unpack("<q", struct.pack("<d", ratio))[0]
+
+
+@triton.jit
 def _select_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     tl.store(out_ptr + row, _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C))
@@ -231,3 +272,16 @@ def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tens
     _evict_kernel[(B * H,)](scores, lengths, positions, sinks, recent, keys, values, state if S else positions,
                             C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, block_size(C)),
                             BLOCK_D=block_size(D), BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S), num_warps=WARPS)
+
+
+def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
+                    heavy_ratio: float | None, keys: Tensor, values: Tensor, state: Tensor) -> None:
+    B, H, C, D = keys.shape
+    check_storage(lengths, keys, values, positions, state)
+    S = state.shape[0]
+    _evict_in_budget_kernel[(B * H,)](positions if scores is None else scores.contiguous(), lengths, positions,
+                                      n_keep.to(lengths).contiguous(), keys, values, state if S else positions, H, C,
+                                      D, values.shape[-1], S, B * H * C, sinks, ratio_bits(heavy_ratio),
+                                      HEAVY=heavy_ratio is not None, BLOCK_C=min(BLOCK_C, block_size(C)),
+                                      BLOCK_D=block_size(D), BLOCK_DV=block_size(values.shape[-1]),
+                                      BLOCK_S=block_size(S), num_warps=WARPS)

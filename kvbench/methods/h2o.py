@@ -80,16 +80,18 @@ class H2O(Method):
             kv.state[SCORE] = stats.column_sums.float().clone()
             if self.normalize == "mean_over_observers":
                 kv.state[OBSERVED] = prompt_observers(kv)
-        score = kv.state[SCORE]
-        if self.normalize == "mean_over_observers":
-            score = score / kv.state[OBSERVED].clamp(min=1)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
-        index, lengths = keep_topk(score, keep, kv.lengths, sinks=sinks, recent=recent)
+        index, lengths = keep_topk(self._score(kv), keep, kv.lengths, sinks=sinks, recent=recent)
         return kv.gather(index, lengths)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
-        """The lowest accumulated score outside the sinks and the recent window."""
-        sinks, recent = heavy_split(per_sample_n_keep(n_keep, kv), self.heavy_ratio, self.sinks)
-        kv.evict_lowest(kv.state[SCORE], sinks.squeeze(-1), recent.squeeze(-1))
+        """The lowest score outside the sinks and the recent window (the budget's split made on the device)."""
+        kv.evict_in_budget(self._score(kv), n_keep, self.sinks, self.heavy_ratio)
+
+    def _score(self, kv: LayerKV) -> Tensor:
+        """(B, H, T) the score ``normalize`` names."""
+        if self.normalize == "mean_over_observers":
+            return kv.state[SCORE] / kv.state[OBSERVED].clamp(min=1)
+        return kv.state[SCORE]
 

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvbench.kernels.select import eviction_order, keep_topk, sinks_and_recent
+from kvbench.kernels.select import keep_topk, sinks_and_recent
 from kvbench.kv import AttentionStats, LayerKV
 from kvbench.methods.base import Method, check_count, per_sample_n_keep
 
@@ -58,5 +58,5 @@ class StreamingLLM(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """Drop the oldest token after the sinks (a ring buffer after them); a budget within the sinks drops
         the newest. Sinks stay in the slots prefill put them in (they are never dropped or moved)."""
-        kv.evict_lowest(*eviction_order(kv.positions, per_sample_n_keep(n_keep, kv), self.sinks))
+        kv.evict_in_budget(None, n_keep, self.sinks, None)
 

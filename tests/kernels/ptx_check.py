@@ -49,7 +49,8 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "the interpreter does not compile"
     JITFunction.run = compile_instead_of_launch
-    from kvbench.kernels import triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe, triton_partner_merge
+    from kvbench.kernels import (triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe, triton_partner_merge,
+                                 triton_slots)
     from kvbench.kernels import triton_matching, triton_weightedkv_step
 
     B, H, C, D = 2, 8, 300, 128
@@ -66,6 +67,8 @@ def main() -> None:
     triton_cam_step.cam_step(*long_row, long_row[-1][0], torch.full((1,), 8999), 4, 0.5, 16, None)
     triton_weightedkv_step.weightedkv_step(*long_row, long_row[-1][0], long_row[-1][1], torch.full((1,), 8999), 4,
                                            None)
+    triton_slots.evict_in_budget(state[0], lengths, positions, n_keep, 4, 0.5, keys, values, state)  # H2O
+    triton_slots.evict_in_budget(None, lengths, positions, n_keep, 4, None, keys, values, state)  # StreamingLLM
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
     table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))

@@ -338,13 +338,15 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name,launches", [("cam", 2), ("cam_h2o", 2), ("weightedkv", 2), ("d2o", 4),
-                                           ("d2o_layer_threshold", 4), ("ems", 5), ("ems_bias", 4)])
-def test_fused_decode_step_issues_two_to_five_operations(monkeypatch, name, launches):
+@pytest.mark.parametrize("name,launches", [("streamingllm", 1), ("h2o", 2), ("cam", 2), ("cam_h2o", 2),
+                                           ("weightedkv", 2), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
+                                           ("ems_bias", 4)])
+def test_fused_decode_step_issues_one_to_five_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
-    decode storage: the device runs its kernels (CaM's and D2O's observe: one torch addition; D2O's and EMS's
-    steps: three launches, a row's scans, the block-split best match, the merge; EMS's look-up table a fourth)
-    and nothing else but scratch allocations (the torch path issues ~50-300 operations)."""
+    decode storage: the device runs its kernels (H2O's, CaM's and D2O's observe: one torch addition; StreamingLLM's
+    and H2O's step: one launch, the budget's protected counts made in it; D2O's and EMS's steps: three launches,
+    a row's scans, the block-split best match, the merge; EMS's look-up table a fourth) and nothing else but
+    scratch allocations (the torch path issues ~10-300 operations)."""
     method = build(name)
     g = torch.Generator().manual_seed(0)
     B, H, D, prompt = 2, 2, 8, 30
@@ -399,8 +401,9 @@ def test_ems_step_from_the_rope_issues_six_operations(monkeypatch):
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(case, marks=() if case in ("cam", "d2o", "weightedkv", "ems_merge_all") else pytest.mark.slow)
-    for case in CASES if case.split("_")[0] in ("cam", "d2o", "weightedkv", "ems")])
+    pytest.param(case, marks=() if case in ("streamingllm", "h2o", "cam", "d2o", "weightedkv", "ems_merge_all")
+                 else pytest.mark.slow)
+    for case in CASES if case.split("_")[0] in ("streamingllm", "h2o", "cam", "d2o", "weightedkv", "ems")])
 def test_triton_in_place_keeps_what_compress_keeps(name):
     """tests/test_decode_paths.py's in-place == compress comparison with the fused Triton steps in place."""
     compare_under_random_attention(name, "triton")

@@ -75,6 +75,26 @@ def test_evict_lowest_matches_reference(states, dtype):
     assert torch.equal(ref["lengths"], storage(S=states, seed=4)["lengths"] - 1)
 
 
+@pytest.mark.parametrize("rule", [("h2o", 0.5, 0), ("h2o_sinks", 0.3, 2), ("streamingllm", None, 4),
+                                  ("all_sinks", None, 80)], ids=lambda rule: rule[0])
+@pytest.mark.parametrize("states", [0, 3])
+def test_evict_in_budget_matches_reference(rule, states):
+    """H2O's and StreamingLLM's decode step with the protected counts derived from the budget in the kernel: the
+    same slot leaves as the torch path (heavy_split / eviction_order of min(n_keep, length), then select_lowest),
+    budgets larger and smaller than the rows, ratios that round differently in float32 (0.3), a budget within
+    the sinks (the newest leaves)."""
+    _, heavy_ratio, sinks = rule
+    ref, got = storage(S=states, seed=5), storage(S=states, seed=5)
+    n_keep = torch.tensor([50, 80])  # row 0 is over its budget by several slots (a decode step evicts anyway)
+    with use_backend("torch"):
+        slots.evict_in_budget(ref["scores"], ref["lengths"], ref["positions"], n_keep, sinks, heavy_ratio,
+                              ref["keys"], ref["values"], ref["state"])
+    triton_slots.evict_in_budget(got["scores"], got["lengths"], got["positions"], n_keep, sinks, heavy_ratio,
+                                 got["keys"], got["values"], got["state"])
+    for name in ("lengths", "positions", "keys", "values", "state"):
+        assert torch.equal(got[name], ref[name]), name
+
+
 def test_move_last_into_moves_every_part_of_the_slot():
     s = storage(B=1, H=1, C=5, D=2, S=1)
     s["lengths"][:] = 5
