@@ -20,11 +20,10 @@ Raw keys come in, or (``raw_keys=None``, 16-bit keys) phases 2 and 3 take RoPE o
 they read in registers (``_raw_halves``), rounded as ``attention.unrotate_keys`` rounds them: a decode step then
 never writes and reads an un-RoPE'd copy of the whole cache. Phase 2 reads cos and sin from the model's table
 (``Rope.table``) and is launched a second time for the blocks that read a position past it, which compute them.
-On an H200 (Llama-3.1-8B shape, bf16), phase 2 of one layer takes 66 us from the table at 1 row x 6,554 slots and
-155 us at 8 x 3,277, against 59 and 133 us reading raw keys given, which a copy un-RoPE'd by torch (about 26 us a
-layer at 1 x 6,554) precedes; computing cos and sin for every slot took 78-89 us and 186-224 us (register
-spills), and a kernel holding both ways 78-117 and 195-376 us
-(``results/gpu/2026-11-27/logs/ems_rope_source_call34.md``).
+On an H200 (Llama-3.1-8B shape, bf16, one layer's whole step, each way at its best tile): 66 us with the table at
+1 row x 6,554 slots and 149 us at 8 x 3,277; computing cos and sin for every slot 78 and 186 us (register spills);
+one kernel holding both ways 78 and 195 us; raw keys given 56 and 123 us, after a copy un-RoPE'd by torch (about
+26 us a layer at 1 x 6,554) (``results/gpu/2026-11-27/logs/ems_rope_source_call34.md``).
 Floating-point contraction is off in phase 3; row sums, norms and cosines round differently from torch (float32
 units in the last place).
 """
