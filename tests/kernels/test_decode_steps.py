@@ -340,64 +340,46 @@ class Launches(TorchDispatchMode):
 
 @pytest.mark.parametrize("name,launches", [("streamingllm", 1), ("h2o", 2), ("cam", 2), ("cam_h2o", 2),
                                            ("weightedkv", 2), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
-                                           ("ems_bias", 4)])
-def test_fused_decode_step_issues_one_to_five_operations(monkeypatch, name, launches):
+                                           ("ems_bias", 4), ("ems_from_rope", 6)])
+def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
     decode storage: the device runs its kernels (H2O's, CaM's and D2O's observe: one torch addition; StreamingLLM's
     and H2O's step: one launch, the budget's protected counts made in it; D2O's and EMS's steps: three launches,
     a row's scans, the block-split best match, the merge; EMS's look-up table a fourth) and nothing else but
-    scratch allocations (the torch path issues ~10-300 operations)."""
-    method = build(name)
+    scratch allocations (the torch path issues ~10-300 operations). ``ems_from_rope``: EMS's step handed the
+    model's RoPE instead of raw keys, as the engine hands it for 16-bit keys: its kernels take RoPE off the keys they
+    read and no un-RoPE'd copy of the cache is made, phase 2 running twice (the second for blocks past the RoPE
+    table); with float32 keys ``Rope.unrotate`` would run as torch operations first."""
+    from_rope = name == "ems_from_rope"
+    method = build("ems" if from_rope else name)
+    dtype = torch.bfloat16 if from_rope else torch.float32
     g = torch.Generator().manual_seed(0)
     B, H, D, prompt = 2, 2, 8, 30
     n_keep = torch.tensor([12, 9])
-    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g), torch.randn(B, H, prompt, D, generator=g))
+    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g).to(dtype),
+                            torch.randn(B, H, prompt, D, generator=g).to(dtype))
     scores = torch.rand(B, H, prompt, generator=g)
     with use_backend("torch"):
         kv = method.compress(0, kv, AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys,
                                                    num_queries=torch.full((B,), prompt)), n_keep, "prefill")
     kv.resize(kv.capacity + 1)
     kv.pack_state()
-    kv.write(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g), torch.full((B, 1), prompt))
+    kv.write(torch.randn(B, H, 1, D, generator=g).to(dtype), torch.randn(B, H, 1, D, generator=g).to(dtype),
+             torch.full((B, 1), prompt))
+    if from_rope:
+        rope = llama3_rope(D)
+        rope.table(dtype)  # the engine makes it when it is built
+        given = dict(rope=rope)
+    else:
+        given = dict(raw_keys=kv.keys)
     stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
-                           raw_keys=kv.keys)
+                           **given)
     counter = Launches(monkeypatch)
     with use_backend("triton"), counter:
         method.observe(0, kv, stats)
         method.evict_one(0, kv, stats, n_keep)
     device_work = counter.kernels + [op for op in counter.torch_ops if op != "aten::empty"]
     assert len(device_work) == launches, device_work
-
-
-def test_ems_step_from_the_rope_issues_six_operations(monkeypatch):
-    """EMS's in-place step handed the model's RoPE instead of raw keys (what the engine does for 16-bit keys): its
-    kernels take RoPE off the keys they read, and no un-RoPE'd copy of the cache is made (observe and the five
-    launches of the step: phase 2 twice, the second for blocks past the RoPE table; with float32 keys
-    ``Rope.unrotate`` would run as torch operations first)."""
-    method = build("ems")
-    g = torch.Generator().manual_seed(0)
-    B, H, D, prompt = 2, 2, 8, 30
-    n_keep = torch.tensor([12, 9])
-    kv = LayerKV.from_dense(torch.randn(B, H, prompt, D, generator=g).bfloat16(),
-                            torch.randn(B, H, prompt, D, generator=g).bfloat16())
-    scores = torch.rand(B, H, prompt, generator=g)
-    with use_backend("torch"):
-        kv = method.compress(0, kv, AttentionStats(column_sums=scores, window_column_sums=scores, raw_keys=kv.keys,
-                                                   num_queries=torch.full((B,), prompt)), n_keep, "prefill")
-    kv.resize(kv.capacity + 1)
-    kv.pack_state()
-    kv.write(torch.randn(B, H, 1, D, generator=g).bfloat16(), torch.randn(B, H, 1, D, generator=g).bfloat16(),
-             torch.full((B, 1), prompt))
-    rope = llama3_rope(D)
-    rope.table(torch.bfloat16)  # the engine makes it when it is built
-    stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
-                           rope=rope)
-    counter = Launches(monkeypatch)
-    with use_backend("triton"), counter:
-        method.observe(0, kv, stats)
-        method.evict_one(0, kv, stats, n_keep)
-    device_work = counter.kernels + [op for op in counter.torch_ops if op != "aten::empty"]
-    assert len(device_work) == 6, device_work
 
 
 @pytest.mark.parametrize("name", [
