@@ -21,7 +21,6 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench import models

@@ -214,7 +214,6 @@ class EMS(Method):
 
     def _prefill_state(self, kv: LayerKV, stats: AttentionStats) -> dict[str, Tensor]:
         """Fresh per-slot state from the prompt pass: s_Glo = column sums, s_Loc^past = window column sums."""
-        T = kv.capacity
         s_glo = stats.column_sums.float()
         state = {name: torch.zeros_like(s_glo) for name in STATE}
         state["s_glo"] = s_glo
