@@ -257,8 +257,9 @@ class LayerKV:
 
     def evict_in_budget(self, scores: Tensor | None, n_keep: Tensor, sinks: int, heavy_ratio: float | None) -> None:
         """Remove, in place, the slot each row drops under its budget n_keep (B,) (``kernels.slots.budget_victim``:
-        H2O's heavy/recent split of ``scores``, or StreamingLLM's order with ``heavy_ratio=None``); one launch in
-        Triton when the state is packed, the protected counts derived from the budget inside it."""
+        H2O's heavy/recent split of ``scores``, or StreamingLLM's order with ``heavy_ratio=None``); in Triton when
+        the state is packed, two or three launches (``triton_slots.evict_in_budget``), the protected counts derived
+        from the budget inside them."""
         block = self.packed_state()
         if block is None:
             self.remove_slot(budget_victim(scores, self.lengths, self.positions, n_keep, sinks, heavy_ratio))

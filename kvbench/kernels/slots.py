@@ -85,7 +85,8 @@ def budget_victim(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_k
 def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
                     heavy_ratio: float | None, keys: Tensor, values: Tensor, state: Tensor) -> None:
     """``budget_victim`` then ``move_last_into``: H2O's and StreamingLLM's decode step, the protected counts derived
-    from the budget on the device (one launch in Triton, where torch takes about ten small operations)."""
+    from the budget on the device (in Triton a launch per phase over blocks of the rows, two or three, where torch
+    takes about ten small operations)."""
     if use_triton("evict_in_budget", keys):
         from kvbench.kernels import triton_slots
 

@@ -4,8 +4,13 @@ A decode step reads the whole cache once and does little arithmetic, so the work
 one program per (key split, b, kv head) runs the online softmax over its slots for every query head of the
 GQA group at once (the group's heads are the rows of one tile, so each K/V tile is read once), and writes its
 partial (max, sum, weighted values); a second kernel combines the splits into the output and the
-log-sum-exp, one program per query head reducing all its splits in one tile. With statistics wanted, the first kernel also writes every slot's logit (-inf past the row's
-length) and the step attention is exp(logit - lse) averaged over the group (three small torch ops).
+log-sum-exp, one program per query head reducing all its splits in one tile. With statistics wanted, the first
+kernel also writes every slot's logit (-inf past the row's length), and a third (``_step_attention``) makes the
+step attention, exp(logit - lse) averaged over the group, in one pass: bit for bit what the torch operations it
+replaced gave on CUDA (``exp(logits - lse.nan_to_num(neginf=0)).view(B, H_kv, group, C).mean(2)``, four
+kernels and a fill; libdevice's exp, as torch's, not Triton's approximate one; the heads summed in torch's
+order, times float32 1/group, as torch's mean). Every method that observes its decode steps (H2O, TOVA, CaM,
+D2O, WeightedKV) reads it.
 
 The grid depends only on the storage's capacity and the ``span`` the host passes, never on a device value:
 programs whose split lies past a row's length exit after one comparison, so a captured CUDA graph replays
@@ -20,10 +25,12 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -119,6 +126,56 @@ def _decode_combine(
     tl.store(lse_ptr + row, lse)
 
 
+@triton.jit
+def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                    EXACT_EXP: tl.constexpr):
+    """One program per (block of slots, b * H_kv + kv head): the mean over the group's query heads of
+    exp(logit - lse), the heads summed in torch's order and the sum times ``factor`` (float32 1/GROUP), as torch's
+    mean; an lse that is -inf or NaN counts as 0 and +inf as the largest float (``nan_to_num``); slots from
+    ``span`` on are 0 (their logits are not written). EXACT_EXP: libdevice's exp (torch's on CUDA); the interpreter has
+    numpy's."""
+    block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    c = block * BLOCK + tl.arange(0, BLOCK)
+    # torch's reduction keeps four partial sums (head g in sum g % 4), added in order at the end
+    sum0 = tl.zeros((BLOCK,), tl.float32)
+    sum1 = tl.zeros((BLOCK,), tl.float32)
+    sum2 = tl.zeros((BLOCK,), tl.float32)
+    sum3 = tl.zeros((BLOCK,), tl.float32)
+    for g in tl.static_range(GROUP):
+        head = row * GROUP + g  # (b * H_q + query head): the group's heads are consecutive
+        lse = tl.load(lse_ptr + head)
+        lse = tl.where((lse != lse) | (lse == float("-inf")), 0.0, lse)
+        lse = tl.where(lse == float("inf"), 3.4028234663852886e38, lse)
+        shifted = tl.load(logit_ptr + head * C + c, mask=c < span, other=float("-inf")) - lse
+        if EXACT_EXP:
+            p = libdevice.exp(shifted)
+        else:
+            p = tl.exp(shifted)
+        if g % 4 == 0:
+            sum0 += p
+        elif g % 4 == 1:
+            sum1 += p
+        elif g % 4 == 2:
+            sum2 += p
+        else:
+            sum3 += p
+    tl.store(out_ptr + row * C + c, (((sum0 + sum1) + sum2) + sum3) * factor, mask=c < C)
+
+
+STEP_BLOCK = 1024  # slots per program of ``_step_attention``
+
+
+def step_attention(logits: Tensor, lse: Tensor, group: int, span: int) -> Tensor:
+    """(B, H_kv, C) float32: exp(logits - lse) averaged over each group of ``group`` query heads. logits:
+    (B, H_q, C) float32, read up to ``span`` (0 from there); lse: (B, H_q)."""
+    B, Hq, C = logits.shape
+    out = logits.new_empty(B, Hq // group, C)
+    factor = float(np.float32(1) / np.float32(group))  # float32 division: the factor torch's mean multiplies by
+    _step_attention[(triton.cdiv(C, STEP_BLOCK), B * (Hq // group))](
+        logits, lse.contiguous(), out, C, span, factor, GROUP=group, BLOCK=STEP_BLOCK, EXACT_EXP=not INTERPRETED)
+    return out
+
+
 @functools.cache
 def _programs_wanted(device: torch.device) -> int:
     """``WAVES`` programs per multiprocessor: enough splits to keep every multiprocessor streaming the cache."""
@@ -154,8 +211,6 @@ def decode_attention(
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq * n_splits, block_dv, dtype=torch.float32, device=query.device)
     logits = torch.empty(B, Hq, C, dtype=torch.float32, device=query.device) if want_step else m
-    if want_step and span < C:
-        logits[:, :, span:] = float("-inf")
     bias = key_bias if key_bias is not None else m
     bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
     lengths = lengths.contiguous()
@@ -176,7 +231,4 @@ def decode_attention(
         m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
         BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=block_dv,
     )
-    if not want_step:
-        return out, None
-    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # -inf logits (padding) -> 0
-    return out, probs.view(B, Hkv, group, C).mean(2)
+    return out, step_attention(logits, lse, group, span) if want_step else None

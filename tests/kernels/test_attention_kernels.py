@@ -14,6 +14,7 @@ import torch
 from kvbench.kernels import column_sums, triton_attention
 from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.dispatch import use_backend
+from tests.kernels.conftest import MODE
 
 # (B, H_q, H_kv, Q, T, D)
 SHAPES = {
@@ -136,3 +137,30 @@ def test_decode_attention_matches_reference(shape, bias, dtype, output_tolerance
     seeing = (lengths > 0).float()  # each real query spreads one unit of attention over the slots it sees
     torch.testing.assert_close(step.sum(-1), seeing, atol=1e-4, rtol=0)
     assert not step[..., span:].any()
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+def test_step_attention_is_the_torch_operations_it_replaced(group):
+    """The fused step attention against the torch operations it replaced, on logits as the partials kernel
+    writes them (-inf past a row's length, nothing written from ``span`` on) and every lse a row can have (an
+    empty row's -inf): bit for bit compiled (libdevice's exp, the heads summed in torch's order, times float32
+    1/group); the interpreter's exp is numpy's, so there to a few float32 units."""
+    from kvbench.kernels import triton_decode
+
+    B, Hkv, C, span = 2, 3, 2500, 2300
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, Hkv * group, C, generator=g) * 6
+    lengths = torch.randint(0, span + 1, (B, Hkv * group, 1), generator=g)
+    logits = torch.where(torch.arange(C) < lengths, logits, float("-inf"))
+    lse = torch.logsumexp(logits[..., :span], -1)
+    lse[0, :group] = float("-inf")  # an empty row: kv head 0 of row 0
+    logits[0, :group] = float("-inf")
+    reference = torch.exp(torch.where(torch.arange(C) < span, logits, float("-inf"))
+                          - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).view(B, Hkv, group, C).mean(2)
+    logits[..., span:] = float("nan")  # never read
+    got = triton_decode.step_attention(logits, lse, group, span)
+    if MODE == "cuda":
+        assert torch.equal(got, reference)
+    else:
+        torch.testing.assert_close(got, reference, atol=0, rtol=1e-6)
+    assert not got[0, 0].any() and not got[..., span:].any()

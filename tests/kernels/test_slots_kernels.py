@@ -78,13 +78,17 @@ def test_evict_lowest_matches_reference(states, dtype):
 @pytest.mark.parametrize("rule", [("h2o", 0.5, 0), ("h2o_sinks", 0.3, 2), ("streamingllm", None, 4),
                                   ("all_sinks", None, 80)], ids=lambda rule: rule[0])
 @pytest.mark.parametrize("states", [0, 3])
-def test_evict_in_budget_matches_reference(rule, states):
-    """H2O's and StreamingLLM's decode step with the protected counts derived from the budget in the kernel: the
+@pytest.mark.parametrize("capacity", [70, 3000], ids=["one_block", "blocks"])
+def test_evict_in_budget_matches_reference(rule, states, capacity):
+    """H2O's and StreamingLLM's decode step with the protected counts derived from the budget in the kernels: the
     same slot leaves as the torch path (heavy_split / eviction_order of min(n_keep, length), then select_lowest),
     budgets larger and smaller than the rows, ratios that round differently in float32 (0.3), a budget within
-    the sinks (the newest leaves)."""
+    the sinks (the newest leaves); rows of one block and of several (the newest position and the lowest score,
+    ties among them, fall in any block)."""
     _, heavy_ratio, sinks = rule
-    ref, got = storage(S=states, seed=5), storage(S=states, seed=5)
+    ref, got = storage(C=capacity, S=states, seed=5), storage(C=capacity, S=states, seed=5)
+    assert triton_slots.row_blocks(6, capacity, triton_slots.BLOCK_SCAN, torch.device("cpu"))[0] == (
+        1 if capacity < triton_slots.BLOCK_SCAN else 2)
     n_keep = torch.tensor([50, 80])  # row 0 is over its budget by several slots (a decode step evicts anyway)
     with use_backend("torch"):
         slots.evict_in_budget(ref["scores"], ref["lengths"], ref["positions"], n_keep, sinks, heavy_ratio,
