@@ -248,7 +248,8 @@ class LayerKV:
         return select_lowest(scores, self.lengths, self.positions, sinks, recent)
 
     def evict_lowest(self, scores: Tensor, sinks: Tensor, recent: Tensor) -> None:
-        """Remove, in place, the slot ``lowest_slot`` picks (one launch in Triton when the state is packed)."""
+        """Remove, in place, the slot ``lowest_slot`` picks (in Triton when the state is packed: three launches,
+        ``triton_slots.evict_lowest``)."""
         block = self.packed_state()
         if block is None:
             self.remove_slot(self.lowest_slot(scores, sinks, recent))

@@ -98,7 +98,7 @@ def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n
 
 def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
                  keys: Tensor, values: Tensor, state: Tensor) -> None:
-    """``select_lowest`` then ``move_last_into`` (one launch in Triton)."""
+    """``select_lowest`` then ``move_last_into`` (two or three launches in Triton, over blocks of the rows)."""
     if use_triton("evict_lowest", scores):
         from kvbench.kernels import triton_slots
 

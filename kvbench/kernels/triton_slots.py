@@ -1,13 +1,14 @@
 """Triton twins of ``slots.select_lowest``, ``slots.move_last_into``, ``slots.evict_lowest`` and
 ``slots.evict_in_budget``.
 
-One program per row (b, h): it scans the row in tiles (the newest position, then the lowest unprotected
-score), and moves the row's last slot (key, value, position, every state) into the chosen one. A decode step
-of an evicting method is then one launch per layer instead of a dozen small torch operations. H2O's and
-StreamingLLM's step (``evict_in_budget``) splits each row over blocks instead (``row_blocks``), a launch per
-phase, so that a batch of one fills the device. The row operations (``newest_position``, ``lowest_unprotected``,
-``next_position``, ``move_last``, the best-match folds and ``row_blocks``) are also the parts of the merging
-methods' fused decode steps (``triton_*_step``).
+``select_lowest`` and ``move_last_into``: one program per row (b, h), which scans the row in tiles (the newest
+position, then the lowest unprotected score) or moves the row's last slot (key, value, position, every state)
+into the chosen one. The in-place evictions of a decode step (``evict_lowest``: TOVA's; ``evict_in_budget``:
+H2O's and StreamingLLM's, the protected counts derived from the budget on the device) split each row over blocks
+instead (``row_blocks``), a launch per phase, so that a batch of one fills the device; a step is then two or
+three launches per layer instead of a dozen small torch operations. The row operations (``newest_position``,
+``lowest_unprotected``, ``next_position``, ``move_last``, the best-match folds and ``row_blocks``) are also the
+parts of the merging methods' fused decode steps (``triton_*_step``).
 """
 
 from __future__ import annotations
@@ -86,12 +87,12 @@ def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def lowest_in(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, start, stop,
+def lowest_in(score_row, pos_ptr, row, length, sinks, recent, newest, age_sign, C, start, stop,
               BY_SCORE: tl.constexpr, BLOCK_C: tl.constexpr):
     """(lowest score, its position, its slot) among one row's slots [start, stop) that may be dropped: real,
     from the ``sinks``-th on, their position at least ``recent`` before ``newest``; ties to the oldest position;
-    (inf, NO_POSITION, 0) when there is none. BY_SCORE: the scores at ``score_ptr``; else a slot's position times
-    ``age_sign`` (StreamingLLM's order)."""
+    (inf, NO_POSITION, 0) when there is none. BY_SCORE: the row's scores at ``score_row`` (its slot 0); else a
+    slot's position times ``age_sign`` (StreamingLLM's order)."""
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)  # position of the best slot so far (ties: the oldest wins)
     victim = tl.full((), 0, tl.int64)
@@ -100,7 +101,7 @@ def lowest_in(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, 
         real = (c < length) & (c < stop)
         pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
         if BY_SCORE:
-            score = tl.load(score_ptr + row * C + c, mask=real, other=float("inf")).to(tl.float32)
+            score = tl.load(score_row + c, mask=real, other=float("inf")).to(tl.float32)
         else:
             score = (pos * age_sign).to(tl.float32)
         free = real & (c >= sinks) & (pos <= newest - recent)
@@ -112,8 +113,8 @@ def lowest_in(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, 
 def lowest_unprotected(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C,
                        BY_SCORE: tl.constexpr, BLOCK_C: tl.constexpr):
     """The slot to drop in one row (slots.select_lowest): ``lowest_in`` over the whole row."""
-    _, _, victim = lowest_in(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, 0, C, BY_SCORE,
-                             BLOCK_C)
+    _, _, victim = lowest_in(score_ptr + row * C, pos_ptr, row, length, sinks, recent, newest, age_sign, C, 0, C,
+                             BY_SCORE, BLOCK_C)
     return victim
 
 
@@ -199,8 +200,9 @@ def budget_victim(score_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO
                               BLOCK_C), newest
 
 
-# H2O's and StreamingLLM's decode step (``evict_in_budget``) split over blocks of each row's slots, so that a
-# batch of one fills the device: one row's scan in one program took 10.7 us a layer at 64k (13k slots, H200)
+# The in-place evictions of H2O, StreamingLLM (``evict_in_budget``) and TOVA (``evict_lowest``) split over blocks of
+# each row's slots, so that a batch of one fills the device: one row's scan in one program took 10.7 us a layer at
+# 64k (13k slots, H200)
 @triton.jit
 def _block_newest_kernel(pos_ptr, len_ptr, newest_ptr, C, span, NB, BLOCK_C: tl.constexpr):
     """Program (row, block): the newest position of the block's slots."""
@@ -211,23 +213,30 @@ def _block_newest_kernel(pos_ptr, len_ptr, newest_ptr, C, span, NB, BLOCK_C: tl.
 
 
 @triton.jit
-def _block_lowest_kernel(score_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C,
-                         span, NB, SINKS, RATIO_BITS, HEAVY: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_NB: tl.constexpr):
-    """Program (row, block): ``lowest_in`` over the block's slots under the row's budget (``budget_victim``). The
-    row's newest position is the blocks' (``_block_newest_kernel``) under H2O's recent window; StreamingLLM's rule
-    protects no recent window, so every real slot qualifies whatever the newest is."""
+def _block_lowest_kernel(score_ptr, sb, sh, pos_ptr, len_ptr, keep_ptr, sink_ptr, recent_ptr, newest_ptr, best_ptr,
+                         oldest_ptr, slot_ptr, H, C, span, NB, SINKS, RATIO_BITS, BUDGET: tl.constexpr,
+                         HEAVY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Program (row, block): ``lowest_in`` over the block's slots. BUDGET: under the row's budget
+    (``budget_victim``: H2O's split with ``HEAVY``, else StreamingLLM's order), else by score with the row's given
+    sinks and recent window (``select_lowest``). The row's newest position is the blocks' (``_block_newest_kernel``)
+    where a recent window is protected; StreamingLLM's rule protects none, so every real slot qualifies whatever
+    the newest is. Scores of row b * H + h at ``score_ptr + b * sb + h * sh`` (sh = 0: one score row per batch
+    row, TOVA's head average)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
-    sinks, recent, age_sign = budget_rule(keep_ptr, row, H, length, SINKS, RATIO_BITS, HEAVY)
-    if HEAVY:
+    if BUDGET:
+        sinks, recent, age_sign = budget_rule(keep_ptr, row, H, length, SINKS, RATIO_BITS, HEAVY)
+    else:
+        sinks, recent, age_sign = tl.load(sink_ptr + row), tl.load(recent_ptr + row), 1
+    if HEAVY or not BUDGET:
         b = tl.arange(0, BLOCK_NB)
         newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
     else:
         newest = tl.full((), NO_POSITION, tl.int64)
     start = block * span
-    best, oldest, slot = lowest_in(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, start,
-                                   tl.minimum(start + span, C), HEAVY, BLOCK_C)
+    best, oldest, slot = lowest_in(score_ptr + (row // H) * sb + (row % H) * sh, pos_ptr, row, length, sinks, recent,
+                                   newest, age_sign, C, start, tl.minimum(start + span, C), HEAVY or not BUDGET,
+                                   BLOCK_C)
     tl.store(best_ptr + row * NB + block, best)
     tl.store(oldest_ptr + row * NB + block, oldest)
     tl.store(slot_ptr + row * NB + block, slot)
@@ -268,16 +277,6 @@ def _move_kernel(victim_ptr, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV
                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
     move_last(tl.load(victim_ptr + row), row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
-          BLOCK_D, BLOCK_DV, BLOCK_S)
-
-
-@triton.jit
-def _evict_kernel(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, k_ptr, v_ptr, state_ptr, C, D, DV, S,
-                  state_stride, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    row = tl.program_id(0)
-    victim = _select(score_ptr, len_ptr, pos_ptr, sink_ptr, recent_ptr, row, C, BLOCK_C)
-    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride,
           BLOCK_D, BLOCK_DV, BLOCK_S)
 
 
@@ -332,37 +331,48 @@ def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor
                            BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S))
 
 
-def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
-                 keys: Tensor, values: Tensor, state: Tensor) -> None:
-    B, H, C, D = keys.shape
-    check_storage(lengths, keys, values, positions, state)
-    scores, sinks, recent = _rows(scores, sinks.expand(B, H), recent.expand(B, H))
-    S = state.shape[0]
-    _evict_kernel[(B * H,)](scores, lengths, positions, sinks, recent, keys, values, state if S else positions,
-                            C, D, values.shape[-1], S, B * H * C, BLOCK_C=min(BLOCK_C, block_size(C)),
-                            BLOCK_D=block_size(D), BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S), num_warps=WARPS)
-
-
-BLOCK_SCAN = 1024  # slots per tile of a block's scan in ``evict_in_budget``
+BLOCK_SCAN = 1024  # slots per tile of a block's scan (``_evict_by_blocks``)
 
 
 def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
                     heavy_ratio: float | None, keys: Tensor, values: Tensor, state: Tensor) -> None:
-    """Each row's slots split over blocks (``row_blocks``): H2O's newest position per block, then every block's
-    lowest under the budget, then per row their fold and the move: three launches (StreamingLLM's two)."""
+    """H2O's (``heavy_ratio``) and StreamingLLM's step: ``_evict_by_blocks`` under each row's budget."""
+    _evict_by_blocks(positions if scores is None else scores, lengths, positions, keys, values, state,
+                     n_keep.to(lengths).contiguous(), lengths, lengths, sinks, heavy_ratio, budget=True)  # no
+    # per-row sinks and recent window: ``lengths`` stands in for them, unread
+
+
+def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
+                 keys: Tensor, values: Tensor, state: Tensor) -> None:
+    """TOVA's step: ``_evict_by_blocks`` with each row's given sinks and recent window. Scores may broadcast over
+    the heads (stride 0: TOVA's head average is not copied per head)."""
+    B, H = lengths.shape
+    _evict_by_blocks(scores, lengths, positions, keys, values, state, lengths,  # no budget: ``lengths``, unread
+                     *_rows(sinks.expand(B, H), recent.expand(B, H)), 0, None, budget=False)
+
+
+def _evict_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, keys: Tensor, values: Tensor, state: Tensor,
+                     n_keep: Tensor, sinks: Tensor, recent: Tensor, budget_sinks: int, heavy_ratio: float | None,
+                     budget: bool) -> None:
+    """Each row's slots split over blocks (``row_blocks``): the newest position per block (where a recent window is
+    protected), then every block's lowest, then per row their fold and the move of its last slot: two or three
+    launches. ``budget``: the protection from ``n_keep`` (B,) (``budget_victim``), else from ``sinks`` and
+    ``recent`` (B, H)."""
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
     S, rows = state.shape[0], B * H
     NB, span = row_blocks(rows, C, BLOCK_SCAN, keys.device)
     heavy = heavy_ratio is not None
     # per block: its newest position; its lowest score, that slot's position and index
     newest, oldest, slot = (torch.empty(rows * NB, dtype=torch.int64, device=keys.device) for _ in range(3))
     best = torch.empty(rows * NB, dtype=torch.float32, device=keys.device)
-    if heavy:
+    if heavy or not budget:
         _block_newest_kernel[(rows, NB)](positions, lengths, newest, C, span, NB, BLOCK_C=BLOCK_SCAN)
-    _block_lowest_kernel[(rows, NB)](positions if scores is None else scores.contiguous(), positions, lengths,
-                                     n_keep.to(lengths).contiguous(), newest, best, oldest, slot, H, C, span, NB,
-                                     sinks, ratio_bits(heavy_ratio), HEAVY=heavy, BLOCK_C=BLOCK_SCAN,
+    _block_lowest_kernel[(rows, NB)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
+                                     recent, newest, best, oldest, slot, H, C, span, NB, budget_sinks,
+                                     ratio_bits(heavy_ratio), BUDGET=budget, HEAVY=heavy, BLOCK_C=BLOCK_SCAN,
                                      BLOCK_NB=block_size(NB))
     _fold_move_kernel[(rows,)](best, oldest, slot, lengths, keys, values, positions, state if S else positions,
                                C, D, values.shape[-1], S, rows * C, NB, BLOCK_NB=block_size(NB),

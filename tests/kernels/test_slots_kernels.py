@@ -63,16 +63,23 @@ def test_select_lowest_matches_reference(seed):
     assert torch.equal(triton_slots.select_lowest(*args), ref)
 
 
+@pytest.mark.parametrize("head_average", [False, True], ids=["per_head", "head_average"])
+@pytest.mark.parametrize("capacity", [70, 3000], ids=["one_block", "blocks"])
 @pytest.mark.parametrize("states", [0, 3])
-def test_evict_lowest_matches_reference(states, dtype):
-    ref, got = storage(S=states, seed=4, dtype=dtype), storage(S=states, seed=4, dtype=dtype)
+def test_evict_lowest_matches_reference(states, capacity, head_average, dtype):
+    """The slot each row drops and the move, as the torch path: rows of one block and of several, per-row sinks
+    and recent windows, and scores shared by a row's heads (TOVA's head average, a stride-0 view)."""
+    ref, got = (storage(C=capacity, S=states, seed=4, dtype=dtype) for _ in range(2))
+    if head_average:
+        for s in (ref, got):
+            s["scores"] = s["scores"][:, :1].expand_as(s["scores"])
     order = ("scores", "lengths", "positions", "sinks", "recent", "keys", "values", "state")
     with use_backend("torch"):
         slots.evict_lowest(*(ref[k] for k in order))
     triton_slots.evict_lowest(*(got[k] for k in order))
     for name in ("lengths", "positions", "keys", "values", "state"):
         assert torch.equal(got[name], ref[name]), name
-    assert torch.equal(ref["lengths"], storage(S=states, seed=4)["lengths"] - 1)
+    assert torch.equal(ref["lengths"], storage(C=capacity, S=states, seed=4)["lengths"] - 1)
 
 
 @pytest.mark.parametrize("rule", [("h2o", 0.5, 0), ("h2o_sinks", 0.3, 2), ("streamingllm", None, 4),
