@@ -1,0 +1,127 @@
+"""Calls 43-46: the decode steps of the methods that observe their steps, with the code of `a0317ec` (a copy of its
+``kvbench`` under ``old_a0317ec/``: one launch a row for H2O's, StreamingLLM's and TOVA's scan, the step attention from
+four torch operations) against this code (the rows' scans split over blocks; the step attention in one kernel;
+TOVA's from call 46 on).
+
+1. A/B in one process: the old Triton modules ``triton_slots`` and ``triton_decode`` loaded from the copy and their
+   entry points swapped in (``kvbench.kernels.slots`` and ``decode_attention`` call them through their modules),
+   each set's replayed step profiled by ``scripts.profile_points``, old, new, old, new.
+2. Token for token (call 44): the same prompts decoded by the old and the new code, each in a process of its own
+   (budget 0.2, CUDA graphs, four 16k random prompts, 32 new tokens, batch 4); ``tokens METHODS old,old,new``
+   (call 45) decodes with the old code twice, to see what two runs of the same code give.
+
+    git archive a0317ec kvbench conf | tar -x -C old_a0317ec   # before the call
+    PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py ab        # call 43
+    PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens    # call 44
+    PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens d2o,weightedkv old,old,new
+    PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py ab tova,full   # call 46
+    PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens tova,h2o,streamingllm
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+OLD = Path.cwd() / "old_a0317ec"
+TOKEN_METHODS = ("streamingllm", "h2o", "tova", "cam", "d2o", "weightedkv")
+
+
+def load_old(name: str):
+    spec = importlib.util.spec_from_file_location(f"old_{name}", OLD / "kvbench" / "kernels" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ab(methods: list[str] | None = None) -> None:
+    from kvbench import models
+    from kvbench.hardware import copy_bandwidth
+    from kvbench.kernels import triton_decode, triton_slots
+    from scripts.bench_decode_loop import prompts, ragged
+    from scripts.profile_decode import configs
+    from scripts.profile_points import point_engines, profile_points
+
+    versions = {"new": (triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention)}
+    old_slots, old_decode = load_old("triton_slots"), load_old("triton_decode")
+    versions["old"] = (old_slots.evict_in_budget, old_slots.evict_lowest, old_decode.decode_attention)
+    lm = models.load(configs("llama3.1-8b-shape-random", "full")[0])
+    bandwidth = copy_bandwidth(lm.model.device)
+    lines = []
+    sets = [(65536, 1, "streamingllm", "0.2"), (65536, 1, "h2o", "0.2"), (65536, 1, "tova", "0.2"),
+            (65536, 1, "full", "0.2"),
+            (16000, 2, "streamingllm", "0.2,0.35,0.5"), (16000, 2, "h2o", "0.2,0.35,0.5"),
+            (16000, 2, "tova", "0.2,0.35,0.5"), (16000, 2, "cam", "0.2,0.35,0.5"), (16000, 2, "d2o", "0.2,0.35,0.5"),
+            (16000, 2, "weightedkv", "0.2,0.35,0.5")]
+    for length, slots, method, budgets in sets:
+        if methods and method not in methods:
+            continue
+        batch = prompts(len(lm.tokenizer), ragged(length, slots))
+        args = argparse.Namespace(model="llama3.1-8b-shape-random", methods=method, budgets=budgets, length=length)
+        for version in ("old", "new", "old", "new"):
+            triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention = versions[version]
+            engines = point_engines(args, lm.model)[method]
+            lines.append(profile_points(engines, batch, 8, 6, bandwidth, f"{method} {length // 1000}k {version}"))
+            del engines
+    triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention = versions["new"]
+    print("                   set  points  step ms   GPU ms  kernels  per pt+lyr bound ms  fraction")
+    print("\n".join(lines))
+
+
+def decode_tokens(methods: list[str]) -> None:
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import kvbench
+    from kvbench import models
+    from kvbench.budget import Budget
+    from kvbench.engine import Engine
+
+    conf = str(Path(kvbench.__file__).resolve().parent.parent / "conf")
+    out, lm = {}, None
+    for name in methods:
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["model=llama3.1-8b-shape-random", f"method={name}"])
+        lm = lm or models.load(cfg.model)
+        g = torch.Generator().manual_seed(0)
+        batch = [torch.randint(0, len(lm.tokenizer), (16000 - 37 * i,), generator=g).tolist() for i in range(4)]
+        engine = Engine(lm.model, instantiate(cfg.method), Budget("fraction", 0.2), cuda_graphs=True)
+        out[name] = [gen.tokens for gen in engine.generate(batch, 32, stop_token_ids=set(), batch_size=4)]
+    print("TOKENS " + json.dumps(out))
+
+
+def tokens(methods: list[str], runs: list[str]) -> None:
+    site = os.environ.get("PYTHONPATH", "")
+    got = {}
+    for i, version in enumerate(runs):
+        label = f"{version} {i}"
+        env = dict(os.environ, PYTHONPATH=f"{OLD if version == 'old' else Path.cwd()}:{Path.cwd()}:{site}")
+        done = subprocess.run([sys.executable, __file__, "decode", ",".join(methods)], env=env, cwd=Path.cwd(),
+                              capture_output=True, text=True)
+        line = [l for l in done.stdout.splitlines() if l.startswith("TOKENS ")]
+        if not line:
+            print(label, "failed:", done.stderr[-3000:])
+            sys.exit(1)
+        got[label] = json.loads(line[0][7:])
+    labels = list(got)
+    for one, other in zip(labels, labels[1:]):
+        for name in methods:
+            pairs = list(zip(got[one][name], got[other][name]))
+            same = sum(a == b for a, b in pairs)
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+            print(f"{one} vs {other} {name:>13}: {same}/{len(pairs)} identical (first differing token per prompt: "
+                  f"{first})")
+
+
+if __name__ == "__main__":
+    step = sys.argv[1] if len(sys.argv) > 1 else "ab"
+    if step == "ab":
+        ab(sys.argv[2].split(",") if len(sys.argv) > 2 else None)
+    elif step == "decode":
+        decode_tokens(sys.argv[2].split(","))
+    else:
+        tokens(sys.argv[2].split(",") if len(sys.argv) > 2 else list(TOKEN_METHODS),
+               sys.argv[3].split(",") if len(sys.argv) > 3 else ["old", "new"])
