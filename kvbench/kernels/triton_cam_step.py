@@ -1,23 +1,28 @@
-"""Triton twin of ``cam_step.cam_step``: CaM's whole decode step in one launch.
+"""Triton twin of ``cam_step.cam_step``: CaM's decode step in three or four launches over blocks of each row.
 
-One program per row (b, h): the protected counts from the budget, the newest position, the evicted slot (one
-scan), its n next positions (n reductions for the next older position, held in a (n,) vector; a row of one
-tile is loaded once for all n, longer rows are rescanned for each), the merge probability and the counter-based draw (``cam_step.uniform_draws`` bit for bit:
-integer hashing on int64), the (n, DV) tile of target values, and the move of the row's last slot into the
-evicted one. Floating-point contraction is off, so the merge rounds as the torch reference does; only the sum
-of the n targets' attention may round differently (a tree instead of torch's order).
+Each row's slots are split over blocks (``triton_slots.lowest_by_blocks``), so that a batch of one fills the
+device: the newest position per block (for H2O's recent window and the draw), then each block's lowest under the
+budget (the protected counts derived from it); ``_next_kernel``, per block, the n oldest positions after the
+evicted one among its slots; ``_merge_kernel``, per row, the n next positions (the oldest n of the blocks'), the
+merge probability and the counter-based draw (``cam_step.uniform_draws`` bit for bit: integer hashing on int64),
+the (n, DV) tile of target values, and the move of the row's last slot into the evicted one. One program per row
+scanning the whole row took most of CaM's step at 64k (n = 16 rescans of a row longer than a tile). The blocks'
+results fold as one scan's tiles do, so the slots chosen are the same. Floating-point contraction is off, so the
+merge rounds as the torch reference does; only the sum of the n targets' attention may round differently (a tree
+instead of torch's order).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, budget_victim, check_storage, move_last,
-                                          next_in_tile, next_position, ratio_bits, scan_tile)
+from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_blocks, lowest_by_blocks,
+                                          move_last, next_in, next_in_tile)
 
-BLOCK_C = 8192  # slots per tile of a row scan
+BLOCK_C = 8192  # the largest block ``_next_kernel`` holds in registers for its n reductions
 WARPS = 16
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
 
@@ -52,27 +57,53 @@ def merge_probability(score, total, count):
 
 
 @triton.jit
-def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H, C, D, DV, S, state_stride,
-                 SINKS, RATIO_BITS, KEY, N, HEAVY: tl.constexpr, DRAW: tl.constexpr, ONE_TILE: tl.constexpr,
-                 BLOCK_C: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _next_kernel(pos_ptr, len_ptr, best_ptr, oldest_ptr, slot_ptr, next_pos_ptr, next_slot_ptr, C, span, NB, N,
+                 ONE_TILE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Program (row, block): the evicted slot (the blocks' fold), then the n oldest positions after it among the
+    block's slots, oldest first ((NO_POSITION, 0) past the last); a block of one tile is loaded once for all n."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
-    victim, newest = budget_victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO_BITS, HEAVY, BLOCK_C)
+    after = tl.load(pos_ptr + row * C + fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB))
+    start = block * span
+    stop = tl.minimum(start + span, C)
+    c = start + tl.arange(0, BLOCK_C)
+    real = (c < length) & (c < stop)
+    if ONE_TILE:
+        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
+    out = (row * NB + block) * N
+    for i in range(N):
+        if ONE_TILE:
+            after, at = next_in_tile(pos, c, real, after)
+        else:
+            after, at = next_in(pos_ptr, row, length, after, C, start, stop, BLOCK_C)
+        tl.store(next_pos_ptr + out + i, after)
+        tl.store(next_slot_ptr + out + i, at)
+
+
+@triton.jit
+def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr,
+                  next_pos_ptr, next_slot_ptr, H, C, D, DV, S, state_stride, KEY, N, NB, DRAW: tl.constexpr,
+                  BLOCK_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program row: the evicted slot; its n next positions, the oldest n of the blocks' (n reductions over the
+    n * NB candidates, held once); the merge probability and the counter-based draw (``cam_step.uniform_draws``
+    bit for bit: integer hashing on int64, the row's newest position being the blocks' newest); the (n, DV) tile
+    of target values; and the move of the row's last slot into the evicted one."""
+    row = tl.program_id(0).to(tl.int64)
+    victim = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
     evicted = tl.load(pos_ptr + row * C + victim)
+    m = tl.arange(0, BLOCK_M)
+    candidate = m < NB * N
+    cpos = tl.load(next_pos_ptr + row * NB * N + m, mask=candidate, other=NO_POSITION)
+    cslot = tl.load(next_slot_ptr + row * NB * N + m, mask=candidate, other=0)
+    candidate = candidate & (cpos < NO_POSITION)
     # the n next positions, oldest first: targets (n,) slots, found (n,) whether each exists
     n = tl.arange(0, BLOCK_N)
     targets = tl.zeros((BLOCK_N,), tl.int64)
     found = n < 0
     after = evicted
-    c = tl.arange(0, BLOCK_C)
-    if ONE_TILE:  # the row's positions stay in registers for the n reductions
-        pos = tl.load(pos_ptr + row * C + c, mask=c < length, other=-1)
     for i in range(N):
-        if ONE_TILE:
-            after, slot = next_in_tile(pos, c, c < length, after)
-        else:
-            after, slot = next_position(pos_ptr, row, length, after, C, BLOCK_C)
+        after, slot = next_in_tile(cpos, cslot, candidate, after)
         targets = tl.where(n == i, slot, targets)
         found = found | (n == tl.where(after < NO_POSITION, i, -1))
     total = tl.sum(tl.load(att_ptr + row * C + targets, mask=found, other=0.0), 0)
@@ -80,6 +111,8 @@ def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, keep_ptr, H
     score = tl.load(att_ptr + row * C + victim)
     prob = merge_probability(score, total, count)
     if DRAW:
+        b = tl.arange(0, BLOCK_NB)
+        newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
         prob = (uniform_draw(KEY, row % H, evicted, newest) < prob).to(tl.float32)
     share = tl.math.div_rn(prob, N + tl.zeros((), tl.float32))
     dv = tl.arange(0, BLOCK_DV)
@@ -97,12 +130,17 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
              n_keep: Tensor, sinks: int, heavy_ratio: float | None, merge_tokens: int, key: int | None) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, attention)
-    S, DV = state.shape[0], values.shape[-1]
-    block_c = scan_tile(C, BLOCK_C)
-    _step_kernel[(B * H,)](keys, values, positions, lengths, state, attention, n_keep.to(lengths).contiguous(),
-                           H, C, D, DV, S, B * H * C, sinks, ratio_bits(heavy_ratio), 0 if key is None else key,
-                           merge_tokens,
-                           HEAVY=heavy_ratio is not None, DRAW=key is not None, ONE_TILE=C <= block_c,
-                           BLOCK_C=block_c, BLOCK_N=block_size(merge_tokens),
-                           BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
-                           enable_fp_fusion=False)
+    S, DV, rows, N = state.shape[0], values.shape[-1], B * H, merge_tokens
+    blocks = lowest_by_blocks(attention, lengths, positions, n_keep.to(lengths).contiguous(), lengths, lengths, sinks,
+                              heavy_ratio, budget=True, newest=heavy_ratio is not None or key is not None)
+    NB = blocks.count
+    next_pos, next_slot = (torch.empty(rows * NB * N, dtype=torch.int64, device=keys.device) for _ in range(2))
+    tile = block_size(blocks.span)
+    _next_kernel[(rows, NB)](positions, lengths, blocks.best, blocks.oldest, blocks.slot, next_pos, next_slot, C,
+                             blocks.span, NB, N, ONE_TILE=tile <= BLOCK_C, BLOCK_C=min(tile, BLOCK_C),
+                             BLOCK_NB=block_size(NB), num_warps=4 if tile <= 2048 else WARPS)
+    _merge_kernel[(rows,)](keys, values, positions, lengths, state, attention, blocks.newest, blocks.best,
+                           blocks.oldest, blocks.slot, next_pos, next_slot, H, C, D, DV, S, rows * C,
+                           0 if key is None else key, N, NB, DRAW=key is not None, BLOCK_NB=block_size(NB),
+                           BLOCK_M=block_size(NB * N), BLOCK_N=block_size(N), BLOCK_D=block_size(D),
+                           BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS, enable_fp_fusion=False)

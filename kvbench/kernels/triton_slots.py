@@ -14,6 +14,7 @@ parts of the merging methods' fused decode steps (``triton_*_step``).
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,18 +73,25 @@ def next_in_tile(pos, c, real, after):
 
 
 @triton.jit
-def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
-    """(position, slot) of the oldest position after ``after`` in one row; (NO_POSITION, 0) when there is none
-    (slots.next_slots, one at a time)."""
+def next_in(pos_ptr, row, length, after, C, start, stop, BLOCK_C: tl.constexpr):
+    """(position, slot) of the oldest position after ``after`` among one row's slots [start, stop); (NO_POSITION,
+    0) when there is none."""
     best = tl.full((), NO_POSITION, tl.int64)
     slot = tl.full((), 0, tl.int64)
-    for c0 in range(0, C, BLOCK_C):
+    for c0 in range(start, stop, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        real = c < length
+        real = (c < length) & (c < stop)
         low, at = next_in_tile(tl.load(pos_ptr + row * C + c, mask=real, other=-1), c, real, after)
         slot = tl.where(low < best, at, slot)
         best = tl.minimum(low, best)
     return best, slot
+
+
+@triton.jit
+def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
+    """(position, slot) of the oldest position after ``after`` in one row; (NO_POSITION, 0) when there is none
+    (slots.next_slots, one at a time)."""
+    return next_in(pos_ptr, row, length, after, C, 0, C, BLOCK_C)
 
 
 @triton.jit
@@ -171,7 +179,10 @@ def move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, 
 
 @triton.jit
 def budget_rule(keep_ptr, row, H, length, SINKS, RATIO_BITS, HEAVY: tl.constexpr):
-    """(sinks, recent, age sign) of one row under its budget keep = min(n_keep, length) (``budget_victim``)."""
+    """(sinks, recent, age sign) of one row under its budget keep = min(n_keep, length) (slots.budget_victim):
+    H2O's split (``HEAVY``: select.heavy_split of keep, the float64 ratio's bits in ``RATIO_BITS``, the lowest
+    score outside sinks and recent window) or StreamingLLM's order (select.eviction_order: the oldest after
+    min(keep, SINKS) sinks, the newest when the budget is all sinks)."""
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     if HEAVY:  # select.heavy_split, in float64 as there
         ratio = (RATIO_BITS + tl.zeros((), tl.int64)).to(tl.float64, bitcast=True)  # the float64 ratio, exactly
@@ -186,23 +197,9 @@ def budget_rule(keep_ptr, row, H, length, SINKS, RATIO_BITS, HEAVY: tl.constexpr
     return sinks, recent, age_sign
 
 
-@triton.jit
-def budget_victim(score_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, SINKS, RATIO_BITS, HEAVY: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """(slot to drop, the row's newest position) of one row under its budget keep = min(n_keep, length)
-    (slots.budget_victim): H2O's split (``HEAVY``: select.heavy_split of keep, the float64 ratio's bits in
-    ``RATIO_BITS``, the lowest score outside sinks and recent window) or StreamingLLM's order
-    (select.eviction_order: the oldest after min(keep, SINKS) sinks, the newest when the budget is all sinks)."""
-    length = tl.load(len_ptr + row)
-    sinks, recent, age_sign = budget_rule(keep_ptr, row, H, length, SINKS, RATIO_BITS, HEAVY)
-    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    return lowest_unprotected(score_ptr, pos_ptr, row, length, sinks, recent, newest, age_sign, C, HEAVY,
-                              BLOCK_C), newest
-
-
-# The in-place evictions of H2O, StreamingLLM (``evict_in_budget``) and TOVA (``evict_lowest``) split over blocks of
-# each row's slots, so that a batch of one fills the device: one row's scan in one program took 10.7 us a layer at
-# 64k (13k slots, H200)
+# The in-place evictions of H2O, StreamingLLM (``evict_in_budget``), TOVA (``evict_lowest``) and CaM
+# (``triton_cam_step``) split over blocks of each row's slots, so that a batch of one fills the device: one row's
+# scan in one program took 10.7 us a layer at 64k (13k slots, H200)
 @triton.jit
 def _block_newest_kernel(pos_ptr, len_ptr, newest_ptr, C, span, NB, BLOCK_C: tl.constexpr):
     """Program (row, block): the newest position of the block's slots."""
@@ -217,7 +214,7 @@ def _block_lowest_kernel(score_ptr, sb, sh, pos_ptr, len_ptr, keep_ptr, sink_ptr
                          oldest_ptr, slot_ptr, H, C, span, NB, SINKS, RATIO_BITS, BUDGET: tl.constexpr,
                          HEAVY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Program (row, block): ``lowest_in`` over the block's slots. BUDGET: under the row's budget
-    (``budget_victim``: H2O's split with ``HEAVY``, else StreamingLLM's order), else by score with the row's given
+    (``budget_rule``: H2O's split with ``HEAVY``, else StreamingLLM's order), else by score with the row's given
     sinks and recent window (``select_lowest``). The row's newest position is the blocks' (``_block_newest_kernel``)
     where a recent window is protected; StreamingLLM's rule protects none, so every real slot qualifies whatever
     the newest is. Scores of row b * H + h at ``score_ptr + b * sb + h * sh`` (sh = 0: one score row per batch
@@ -250,6 +247,15 @@ def _fold_move_kernel(best_ptr, oldest_ptr, slot_ptr, len_ptr, k_ptr, v_ptr, pos
     the oldest position, then the first slot; no slot anywhere leaves slot 0), then the row's last slot moved
     into it."""
     row = tl.program_id(0).to(tl.int64)
+    victim = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
+    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride, BLOCK_D, BLOCK_DV,
+              BLOCK_S)
+
+
+@triton.jit
+def fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB: tl.constexpr):
+    """The slot one row drops: its blocks' lowest (``_block_lowest_kernel``) folded as one scan of the row folds
+    its tiles."""
     b = tl.arange(0, BLOCK_NB)
     block = b < NB
     score = tl.load(best_ptr + row * NB + b, mask=block, other=float("inf"))
@@ -257,8 +263,7 @@ def _fold_move_kernel(best_ptr, oldest_ptr, slot_ptr, len_ptr, k_ptr, v_ptr, pos
     slot = tl.load(slot_ptr + row * NB + b, mask=block, other=0)
     _, _, victim = fold_lowest(tl.full((), float("inf"), tl.float32), tl.full((), NO_POSITION, tl.int64),
                                tl.full((), 0, tl.int64), score, pos, slot, block)
-    move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride, BLOCK_D, BLOCK_DV,
-              BLOCK_S)
+    return victim
 
 
 def ratio_bits(ratio: float | None) -> int:
@@ -354,26 +359,56 @@ def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tens
 def _evict_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, keys: Tensor, values: Tensor, state: Tensor,
                      n_keep: Tensor, sinks: Tensor, recent: Tensor, budget_sinks: int, heavy_ratio: float | None,
                      budget: bool) -> None:
-    """Each row's slots split over blocks (``row_blocks``): the newest position per block (where a recent window is
-    protected), then every block's lowest, then per row their fold and the move of its last slot: two or three
-    launches. ``budget``: the protection from ``n_keep`` (B,) (``budget_victim``), else from ``sinks`` and
-    ``recent`` (B, H)."""
+    """``lowest_by_blocks``, then per row the blocks' fold and the move of its last slot: two or three launches."""
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state)
+    S = state.shape[0]
+    blocks = lowest_by_blocks(scores, lengths, positions, n_keep, sinks, recent, budget_sinks, heavy_ratio, budget,
+                              newest=heavy_ratio is not None or not budget)
+    _fold_move_kernel[(B * H,)](blocks.best, blocks.oldest, blocks.slot, lengths, keys, values, positions,
+                                state if S else positions, C, D, values.shape[-1], S, B * H * C, blocks.count,
+                                BLOCK_NB=block_size(blocks.count), BLOCK_D=block_size(D),
+                                BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S))
+
+
+@dataclass
+class Blocks:
+    """Each row's slots split into ``count`` blocks of ``span`` slots, and per block (row * count + block) its
+    newest position (where it was wanted; else a stand-in tensor, unread), its lowest score and that slot's
+    position and index."""
+
+    count: int
+    span: int
+    newest: Tensor
+    best: Tensor
+    oldest: Tensor
+    slot: Tensor
+
+
+def lowest_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: Tensor,
+                     recent: Tensor, budget_sinks: int, heavy_ratio: float | None, budget: bool,
+                     newest: bool) -> Blocks:
+    """Each row's slots split over blocks (``row_blocks``): the newest position per block (``newest``: wanted where
+    a recent window is protected, or by the caller), then every block's lowest (``_block_lowest_kernel``).
+    ``budget``: the protection from ``n_keep`` (B,) (``budget_rule``), else from ``sinks`` and ``recent`` (B, H)."""
+    B, H, C = positions.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    S, rows = state.shape[0], B * H
-    NB, span = row_blocks(rows, C, BLOCK_SCAN, keys.device)
-    heavy = heavy_ratio is not None
-    # per block: its newest position; its lowest score, that slot's position and index
-    newest, oldest, slot = (torch.empty(rows * NB, dtype=torch.int64, device=keys.device) for _ in range(3))
-    best = torch.empty(rows * NB, dtype=torch.float32, device=keys.device)
-    if heavy or not budget:
-        _block_newest_kernel[(rows, NB)](positions, lengths, newest, C, span, NB, BLOCK_C=BLOCK_SCAN)
-    _block_lowest_kernel[(rows, NB)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
-                                     recent, newest, best, oldest, slot, H, C, span, NB, budget_sinks,
-                                     ratio_bits(heavy_ratio), BUDGET=budget, HEAVY=heavy, BLOCK_C=BLOCK_SCAN,
-                                     BLOCK_NB=block_size(NB))
-    _fold_move_kernel[(rows,)](best, oldest, slot, lengths, keys, values, positions, state if S else positions,
-                               C, D, values.shape[-1], S, rows * C, NB, BLOCK_NB=block_size(NB),
-                               BLOCK_D=block_size(D), BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S))
+    rows = B * H
+    count, span = row_blocks(rows, C, BLOCK_SCAN, positions.device)
+    newest_of = newest_by_blocks(positions, lengths, count, span) if newest else lengths  # unread without
+    oldest, slot = (torch.empty(rows * count, dtype=torch.int64, device=positions.device) for _ in range(2))
+    best = torch.empty(rows * count, dtype=torch.float32, device=positions.device)
+    _block_lowest_kernel[(rows, count)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
+                                        recent, newest_of, best, oldest, slot, H, C, span, count, budget_sinks,
+                                        ratio_bits(heavy_ratio), BUDGET=budget, HEAVY=heavy_ratio is not None,
+                                        BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(count))
+    return Blocks(count, span, newest_of, best, oldest, slot)
+
+
+def newest_by_blocks(positions: Tensor, lengths: Tensor, count: int, span: int) -> Tensor:
+    """(B * H * count,) the newest position of each block of ``span`` slots of every row (-1: none real)."""
+    B, H, C = positions.shape
+    newest = torch.empty(B * H * count, dtype=torch.int64, device=positions.device)
+    _block_newest_kernel[(B * H, count)](positions, lengths, newest, C, span, count, BLOCK_C=BLOCK_SCAN)
+    return newest

@@ -1,22 +1,25 @@
-"""Triton twin of ``weightedkv_step.weightedkv_step``: WeightedKV's whole decode step in one launch.
+"""Triton twin of ``weightedkv_step.weightedkv_step``: WeightedKV's decode step in four launches over blocks of
+each row.
 
-One program per row (b, h): the protected counts from the budget, the newest position, the lowest a / n of the
-mergeable region (one scan), the next position after it (one scan; a row of one tile loads its positions once
-for the three), the pairwise merge of two values, and the move of the row's last slot into the merged one. Floating-point contraction is off, so the merge rounds as
-the torch reference does.
+Each row's slots are split over blocks (``triton_slots.row_blocks``), so that a batch of one fills the device: the
+newest position per block; each block's lowest a / n of the mergeable region (after the protected counts from the
+budget); each block's next position after the slot that merges (the blocks' fold); then per row the next position
+(the oldest of the blocks'), the pairwise merge of two values, and the move of the row's last slot into the merged
+one. One program per row scanning the whole row three times was latency-bound at a batch of one. The blocks'
+results fold as one scan's tiles do, so the slots chosen are the same. Floating-point contraction is off, so the
+merge rounds as the torch reference does.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_lowest, move_last,
-                                          newest_position, next_in_tile, next_position, scan_tile)
+from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, block_size, check_storage, fold_blocks,
+                                          fold_lowest, move_last, newest_by_blocks, next_in, next_in_tile, row_blocks)
 
-BLOCK_C = 8192  # slots per tile of a row scan
-WARPS = 16
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # the merge key of never-observed slots (after every observed one)
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
 
@@ -38,39 +41,71 @@ def _fold_tile(acc_ptr, obs_ptr, start, c, real, pos, sinks, last_free, best, ol
 
 
 @triton.jit
-def _step_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, acc_ptr, obs_ptr, keep_ptr, H, C, D, DV, S,
-                 state_stride, SINKS, RECENT, DERIVED_RECENT: tl.constexpr, ONE_TILE: tl.constexpr,
-                 BLOCK_C: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    length = tl.load(len_ptr + row)
-    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
-    sinks = tl.minimum(tl.minimum(keep, SINKS), keep - 1)  # weightedkv_step.protection
+def _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT: tl.constexpr):
+    """(sinks, recent) of one row under its budget keep = min(n_keep, length) (``weightedkv_step.protection``)."""
+    keep = tl.minimum(tl.load(keep_ptr + row // H), tl.load(len_ptr + row))
+    sinks = tl.minimum(tl.minimum(keep, SINKS), keep - 1)
     if DERIVED_RECENT:  # recent=None: the paper's proportion
         wanted = keep // 2 - sinks
     else:
         wanted = keep * 0 + RECENT
-    recent = tl.minimum(tl.maximum(wanted, 1), tl.maximum(keep - sinks, 1))
+    return sinks, tl.minimum(tl.maximum(wanted, 1), tl.maximum(keep - sinks, 1))
+
+
+@triton.jit
+def _lowest_kernel(pos_ptr, len_ptr, acc_ptr, obs_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C,
+                   span, NB, SINKS, RECENT, DERIVED_RECENT: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_NB: tl.constexpr):
+    """Program (row, block): the lowest merge key a / n of the block's mergeable slots (after the sinks, outside
+    the recent window of the row's newest position, the blocks' newest), ties to the oldest position."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    length = tl.load(len_ptr + row)
+    sinks, recent = _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT)
+    b = tl.arange(0, BLOCK_NB)
+    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)
     j = tl.full((), 0, tl.int64)
-    if ONE_TILE:  # the row's positions are loaded once for its three scans
-        c = tl.arange(0, BLOCK_C)
-        real = c < length
-        pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-        newest = tl.max(pos, 0)
-        best, oldest, j = _fold_tile(acc_ptr, obs_ptr, row * C, c, real, pos, sinks, newest - recent, best, oldest,
-                                     j)
-        following, r = next_in_tile(pos, c, real, tl.load(pos_ptr + row * C + j))
-    else:
-        newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-        for c0 in range(0, C, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            real = c < length
-            best, oldest, j = _fold_tile(acc_ptr, obs_ptr, row * C, c, real,
-                                         tl.load(pos_ptr + row * C + c, mask=real, other=-1), sinks, newest - recent,
-                                         best, oldest, j)
-        following, r = next_position(pos_ptr, row, length, tl.load(pos_ptr + row * C + j), C, BLOCK_C)
+    start = block * span
+    stop = tl.minimum(start + span, C)
+    for c0 in range(start, stop, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        real = (c < length) & (c < stop)
+        best, oldest, j = _fold_tile(acc_ptr, obs_ptr, row * C, c, real,
+                                     tl.load(pos_ptr + row * C + c, mask=real, other=-1), sinks, newest - recent,
+                                     best, oldest, j)
+    tl.store(best_ptr + row * NB + block, best)
+    tl.store(oldest_ptr + row * NB + block, oldest)
+    tl.store(slot_ptr + row * NB + block, j)
+
+
+@triton.jit
+def _next_kernel(pos_ptr, len_ptr, best_ptr, oldest_ptr, slot_ptr, next_pos_ptr, next_slot_ptr, C, span, NB,
+                 BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Program (row, block): the slot that merges (the blocks' fold), then the oldest position after it among the
+    block's slots ((NO_POSITION, 0) if none)."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    after = tl.load(pos_ptr + row * C + fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB))
+    start = block * span
+    following, r = next_in(pos_ptr, row, tl.load(len_ptr + row), after, C, start, tl.minimum(start + span, C),
+                           BLOCK_C)
+    tl.store(next_pos_ptr + row * NB + block, following)
+    tl.store(next_slot_ptr + row * NB + block, r)
+
+
+@triton.jit
+def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, acc_ptr, obs_ptr, best_ptr, oldest_ptr, slot_ptr,
+                  next_pos_ptr, next_slot_ptr, C, D, DV, S, state_stride, NB, BLOCK_NB: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program row: the slot j that merges, the next position r after it (the oldest of the blocks'), the pairwise
+    merge of their values into r, and the move of the row's last slot into j."""
+    row = tl.program_id(0).to(tl.int64)
+    j = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
+    b = tl.arange(0, BLOCK_NB)
+    cpos = tl.load(next_pos_ptr + row * NB + b, mask=b < NB, other=NO_POSITION)
+    candidate = cpos < NO_POSITION  # a block with no later position offers none
+    following, r = next_in_tile(cpos, tl.load(next_slot_ptr + row * NB + b, mask=candidate, other=0), candidate,
+                                tl.load(pos_ptr + row * C + j))
     w_j = _average(acc_ptr, obs_ptr, row * C + j)
     w_r = _average(acc_ptr, obs_ptr, row * C + r)
     total = w_j + w_r
@@ -90,11 +125,18 @@ def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Te
                     accumulated: Tensor, observed: Tensor, n_keep: Tensor, sinks: int, recent: int | None) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, accumulated, observed)
-    S, DV = state.shape[0], values.shape[-1]
-    block_c = scan_tile(C, BLOCK_C)
-    _step_kernel[(B * H,)](keys, values, positions, lengths, state, accumulated, observed,
-                           n_keep.to(lengths).contiguous(), H, C, D, DV, S, B * H * C, sinks,
-                           0 if recent is None else recent, DERIVED_RECENT=recent is None,
-                           ONE_TILE=C <= block_c, BLOCK_C=block_c,
-                           BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
+    S, DV, rows = state.shape[0], values.shape[-1], B * H
+    NB, span = row_blocks(rows, C, BLOCK_SCAN, keys.device)
+    newest = newest_by_blocks(positions, lengths, NB, span)
+    oldest, slot, next_pos, next_slot = (torch.empty(rows * NB, dtype=torch.int64, device=keys.device)
+                                         for _ in range(4))
+    best = torch.empty(rows * NB, dtype=torch.float32, device=keys.device)
+    _lowest_kernel[(rows, NB)](positions, lengths, accumulated, observed, n_keep.to(lengths).contiguous(), newest,
+                               best, oldest, slot, H, C, span, NB, sinks, 0 if recent is None else recent,
+                               DERIVED_RECENT=recent is None, BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))
+    _next_kernel[(rows, NB)](positions, lengths, best, oldest, slot, next_pos, next_slot, C, span, NB,
+                             BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))
+    _merge_kernel[(rows,)](keys, values, positions, lengths, state, accumulated, observed, best, oldest, slot,
+                           next_pos, next_slot, C, D, DV, S, rows * C, NB, BLOCK_NB=block_size(NB),
+                           BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S),
                            enable_fp_fusion=False)

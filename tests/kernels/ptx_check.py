@@ -69,6 +69,8 @@ def main() -> None:
                                            None)
     triton_slots.evict_in_budget(state[0], lengths, positions, n_keep, 4, 0.5, keys, values, state)  # H2O
     triton_slots.evict_in_budget(None, lengths, positions, n_keep, 4, None, keys, values, state)  # StreamingLLM
+    none = torch.zeros(B, H, dtype=torch.long)
+    triton_slots.evict_lowest(state[0][:, :1].expand(B, H, C), lengths, positions, none, none, keys, values, state)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
     table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))

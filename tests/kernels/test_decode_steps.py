@@ -22,7 +22,7 @@ import kvbench.kernels
 
 from kvbench.attention import Rope
 from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step,
-                             triton_ems_step, triton_observe, triton_weightedkv_step, weightedkv_step)
+                             triton_ems_step, triton_observe, triton_slots, triton_weightedkv_step, weightedkv_step)
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kv import AttentionStats, LayerKV
 from tests.kernels.conftest import MODE, compile_for_sm90
@@ -87,6 +87,24 @@ def test_weightedkv_step_matches_reference(shape, recent, seed, dtype, output_to
     assert_same_cache(got, want, output_tolerance)
 
 
+@pytest.mark.parametrize("recent", [None, 3])
+def test_weightedkv_step_over_blocks_matches_reference(recent):
+    """Rows longer than a block (three a row here): the lowest merge key, the newest position and the next position
+    after the merged slot are found block by block and folded; the same merge and move as the reference."""
+    def make():
+        s = storage(1, 2, 2500, 16, 3, torch.float32, 6)
+        s["state"][1] = s["state"][1].round()  # n: observations, some 0 (never observed)
+        return s
+
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
+             s["n_keep"], 2, recent)
+
+    assert triton_slots.row_blocks(2, 2500, triton_slots.BLOCK_SCAN, torch.device("cpu"))[0] == 3
+    got, want = run_both(weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step, make, call)
+    assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
+
+
 @LAYOUTS
 @pytest.mark.parametrize("eviction,merge_tokens,key", [(None, 16, 0), (0.5, 4, 2**32 - 5), (0.3, 5, None),
                                                       (None, 3, None)],
@@ -98,6 +116,20 @@ def test_cam_step_matches_reference(shape, eviction, merge_tokens, key, dtype, o
 
     got, want = run_both(cam_step.cam_step, triton_cam_step.cam_step, lambda: storage(*shape, 2, dtype, 3), call)
     assert_same_cache(got, want, output_tolerance)
+
+
+@pytest.mark.parametrize("eviction,key", [(None, 3), (0.5, None)], ids=["streamingllm", "h2o_deterministic"])
+def test_cam_step_over_blocks_matches_reference(eviction, key):
+    """Rows longer than a block: the evicted slot and its n next positions are found block by block (three blocks
+    a row here) and folded, the n next spread over several blocks; the same slots and merges as the reference."""
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["n_keep"], 2,
+             eviction, 16, key)
+
+    assert triton_slots.row_blocks(2, 2500, triton_slots.BLOCK_SCAN, torch.device("cpu"))[0] == 3
+    got, want = run_both(cam_step.cam_step, triton_cam_step.cam_step,
+                         lambda: storage(1, 2, 2500, 16, 2, torch.float32, 4), call)
+    assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
 
 
 def test_cam_draws_are_the_reference_draws():
@@ -338,20 +370,22 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 2), ("cam_h2o", 2),
-                                           ("weightedkv", 2), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
+@pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 5), ("cam_h2o", 5),
+                                           ("weightedkv", 5), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
                                            ("ems_bias", 4), ("ems_from_rope", 6)])
 def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
-    decode storage: the device runs its kernels (H2O's, CaM's and D2O's observe: one torch addition; StreamingLLM's
-    and H2O's step: a launch per phase over blocks of the rows (H2O's newest positions, the lowest under the
-    budget, the fold and move), the budget's protected counts made in them; TOVA's the same three launches after
-    its head average and a zero protection; D2O's and EMS's steps: three launches,
-    a row's scans, the block-split best match, the merge; EMS's look-up table a fourth) and nothing else but
-    scratch allocations (the torch path issues ~10-300 operations). ``ems_from_rope``: EMS's step handed the
-    model's RoPE instead of raw keys, as the engine hands it for 16-bit keys: its kernels take RoPE off the keys they
-    read and no un-RoPE'd copy of the cache is made, phase 2 running twice (the second for blocks past the RoPE
-    table); with float32 keys ``Rope.unrotate`` would run as torch operations first."""
+    decode storage: the device runs its kernels and nothing else but scratch allocations (the torch path issues
+    ~10-300 operations). Observations: H2O's, CaM's and D2O's one torch addition, WeightedKV's and EMS's one launch.
+    Steps that split each row over blocks, a launch per phase: StreamingLLM's two (each block's lowest under the
+    budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
+    average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
+    WeightedKV's four (the newest, the lowest merge key, the next position, the merge and move). D2O's and EMS's
+    steps: three launches (a row's scans, the block-split best match, the merge; EMS's look-up table a fourth).
+    ``ems_from_rope``: EMS's step handed the model's RoPE instead of raw keys, as the engine hands it for 16-bit keys:
+    its kernels take RoPE off the keys they read and no un-RoPE'd copy of the cache is made, phase 2 running twice
+    (the second for blocks past the RoPE table); with float32 keys ``Rope.unrotate`` would run as torch operations
+    first."""
     from_rope = name == "ems_from_rope"
     method = build("ems" if from_rope else name)
     dtype = torch.bfloat16 if from_rope else torch.float32
