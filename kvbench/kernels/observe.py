@@ -3,7 +3,7 @@
 Methods that average a slot's attention over the queries that could see it (WeightedKV; H2O's
 ``mean_over_observers``) keep a += the pass's summed attention and n += its observers per slot. At every
 decode step that is two (B, H, C) updates; the torch reference takes a dozen small operations, the Triton twin
-(``triton_observe``, same signature, see ``dispatch``) one launch.
+(``triton_observe``, same signature, see ``dispatch``) two launches over blocks of the rows.
 
 Shapes: accumulated, observed, attention, positions (B, H, C); lengths (B, H) long; num_queries (B,) or None
 (one query).

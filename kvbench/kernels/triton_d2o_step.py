@@ -1,16 +1,18 @@
-"""Triton twin of ``d2o_step.d2o_step``: D2O's decode step in three launches.
+"""Triton twin of ``d2o_step.d2o_step``: D2O's decode step in four launches.
 
 The best match reads every key of the row (O(C d), the step's only large read), so it is split over blocks of
 slots to run at memory bandwidth when the batch has few rows; the victim has to be known before any cosine,
-and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence three phases:
-1. grid (rows,): the row's victim (two scans of positions and attention, 12 bytes a slot), once per row;
+and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence the phases:
+1. grid (rows, blocks): the newest position of each block of the row (``triton_slots.newest_by_blocks``), then
+   each block's lowest attention outside the row's sinks and recent window (12 bytes a slot): the victim is
+   their fold, which the next two phases make from the blocks' results (a handful of values);
 2. grid (rows, blocks): the best cosine of the victim's key among each block's slots (ties: the oldest
    position);
 3. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
    values, the threshold on every slot, and the move of the row's last slot into the victim's.
-Three launches rather than two: with the victim found inside phase 2, each of its programs (hundreds per row
-at batch 1, as many as the device holds) rescanned the whole row to do ~C / blocks cosines, ~45 us a layer on
-an H100 at 6.5k slots against a launch's few microseconds.
+With the victim found inside phase 2, each of its programs (hundreds per row at batch 1, as many as the device
+holds) rescanned the whole row to do ~C / blocks cosines, ~45 us a layer on an H100 at 6.5k slots against a
+launch's few microseconds; one program per row finding it was latency-bound at a batch of one.
 Floating-point contraction is off; cosines and exp round differently from torch's matmul and exp (float32
 units in the last place), which moves a merge decision only when a cosine sits within that of the threshold
 or of another slot's cosine.
@@ -25,41 +27,42 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
-                                          lowest_unprotected, move_last, newest_position, row_blocks, scan_tile)
+from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
+                                          fold_blocks, fold_highest, lowest_in, move_last, newest_by_blocks,
+                                          row_blocks, scan_tile)
 
-BLOCK_C = 8192  # slots per tile of a row scan
+BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
-SCAN_WARPS = 16  # the victim's scans: one program per row, a whole tile of the row per load
 EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
 @triton.jit
-def _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr):
-    """The row's lowest attention outside its sinks and recent window (d2o_step.protection)."""
+def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C, span, NB,
+                   N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Program (row, block): the block's lowest attention outside the row's sinks and recent window
+    (d2o_step.protection; the row's newest position is the blocks')."""
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
     sinks = tl.minimum(keep - recent, N_SINKS)
-    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    return lowest_unprotected(att_ptr, pos_ptr, row, length, sinks, recent, newest, 1, C, True, BLOCK_C)
+    b = tl.arange(0, BLOCK_NB)
+    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+    start = block * span
+    best, oldest, slot = lowest_in(att_ptr + row * C, pos_ptr, row, length, sinks, recent, newest, 1, C, start,
+                                   tl.minimum(start + span, C), True, BLOCK_C)
+    tl.store(best_ptr + row * NB + block, best)
+    tl.store(oldest_ptr + row * NB + block, oldest)
+    tl.store(slot_ptr + row * NB + block, slot)
 
 
 @triton.jit
-def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, victim_ptr, H, C, N_HEAVY, N_RECENT, N_SINKS,
-                   BLOCK_C: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tl.store(victim_ptr + row, _victim(att_ptr, pos_ptr, len_ptr, keep_ptr, row, H, C, N_HEAVY, N_RECENT, N_SINKS,
-                                       BLOCK_C))
-
-
-@triton.jit
-def _match_kernel(k_ptr, pos_ptr, len_ptr, victim_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, C, D, SPAN, NB,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, C, D,
+                  SPAN, NB, VNB, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_VNB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    victim = tl.load(victim_ptr + row)
+    victim = fold_blocks(low_ptr, low_pos_ptr, low_slot_ptr, row, VNB, BLOCK_VNB)
     length = tl.load(len_ptr + row)
     d = tl.arange(0, BLOCK_D)
     source = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D, other=0.0).to(tl.float32)
@@ -82,12 +85,13 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, victim_ptr, sim_ptr, at_pos_ptr, at_s
 
 
 @triton.jit
-def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, victim_ptr, sim_ptr, at_pos_ptr,
-                  at_slot_ptr, H, C, D, DV, S, state_stride, NB, BETA, ONE_MINUS_BETA, OWN,
+def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr,
+                  at_pos_ptr, at_slot_ptr, H, C, D, DV, S, state_stride, NB, VNB, BETA, ONE_MINUS_BETA, OWN,
                   LAYER_SCOPE: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_NB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_NB: tl.constexpr, BLOCK_VNB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    victim = tl.load(victim_ptr + row)
+    victim = fold_blocks(low_ptr, low_pos_ptr, low_slot_ptr, row, VNB, BLOCK_VNB)
     similarity, match = best_of_blocks(sim_ptr, at_pos_ptr, at_slot_ptr, row, NB, BLOCK_NB)
     if LAYER_SCOPE:  # d2o_step.ema_threshold: the mean best cosine over the batch row's heads
         total = tl.full((), 0.0, tl.float32)
@@ -136,16 +140,21 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     S, DV, rows = state.shape[0], values.shape[-1], B * H
     NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
-    victim = torch.empty(rows, dtype=torch.long, device=keys.device)
+    VNB, victim_span = row_blocks(rows, C, BLOCK_SCAN, keys.device)  # the victim's blocks
+    newest = newest_by_blocks(positions, lengths, VNB, victim_span)
+    low_position, low_slot = (torch.empty(rows * VNB, dtype=torch.long, device=keys.device) for _ in range(2))
+    low = torch.empty(rows * VNB, dtype=torch.float32, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
-    block_c = scan_tile(C, BLOCK_C)
-    _victim_kernel[(rows,)](attention, positions, lengths, n_keep, victim, H, C, n_heavy, n_recent, n_sinks,
-                            BLOCK_C=block_c, num_warps=SCAN_WARPS)
-    _match_kernel[(rows, NB)](keys, positions, lengths, victim, similarity, at_position, at_slot, C, D, span, NB,
-                              BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), num_warps=WARPS)
-    _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, victim, similarity, at_position,
-                           at_slot, H, C, D, DV, S, B * H * C, NB, beta, 1 - beta, math.e if weighted else 1.0,
-                           LAYER_SCOPE=layer_scope, WEIGHTED=weighted, BLOCK_C=block_c, BLOCK_NB=block_size(NB),
+    _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H, C,
+                                victim_span, VNB, n_heavy, n_recent, n_sinks, BLOCK_C=BLOCK_SCAN,
+                                BLOCK_NB=block_size(VNB))
+    _match_kernel[(rows, NB)](keys, positions, lengths, low, low_position, low_slot, similarity, at_position, at_slot,
+                              C, D, span, NB, VNB, BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), BLOCK_VNB=block_size(VNB),
+                              num_warps=WARPS)
+    _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, low, low_position, low_slot,
+                           similarity, at_position, at_slot, H, C, D, DV, S, B * H * C, NB, VNB, beta, 1 - beta,
+                           math.e if weighted else 1.0, LAYER_SCOPE=layer_scope, WEIGHTED=weighted,
+                           BLOCK_C=scan_tile(C, BLOCK_C), BLOCK_NB=block_size(NB), BLOCK_VNB=block_size(VNB),
                            BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=WARPS,
                            enable_fp_fusion=False)

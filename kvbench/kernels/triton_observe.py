@@ -1,5 +1,7 @@
-"""Triton twin of ``observe.observe_pass``: one program per row finds the newest position, then adds the
-attention and the observer counts to every slot."""
+"""Triton twin of ``observe.observe_pass`` over blocks of each row: the newest position per block
+(``triton_slots.newest_by_blocks``), then one program per (row, block) adds the attention and the observer counts
+to its slots, the row's newest being the blocks' (two launches; one program per row scanning the whole row twice
+was latency-bound at a batch of one)."""
 
 from __future__ import annotations
 
@@ -7,25 +9,25 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import check_storage, newest_position, scan_tile
-
-BLOCK_C = 4096  # slots per tile
-WARPS = 8
+from kvbench.kernels.triton_slots import BLOCK_SCAN, block_size, check_storage, newest_by_blocks, row_blocks
 
 
 @triton.jit
-def _observe_kernel(acc_ptr, obs_ptr, att_ptr, pos_ptr, len_ptr, queries_ptr, H, C, PER_ROW: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _observe_kernel(acc_ptr, obs_ptr, att_ptr, pos_ptr, len_ptr, queries_ptr, newest_ptr, H, C, span, NB,
+                    PER_ROW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     if PER_ROW:
         queries = tl.load(queries_ptr + row // H).to(tl.int64)
     else:
         queries = 1
-    newest = newest_position(pos_ptr, row, length, C, BLOCK_C)
-    for c0 in range(0, C, BLOCK_C):
+    b = tl.arange(0, BLOCK_NB)
+    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+    start = block * span
+    stop = tl.minimum(start + span, C)
+    for c0 in range(start, stop, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        inside = c < C
+        inside = c < stop
         at = row * C + c
         tl.store(acc_ptr + at, tl.load(acc_ptr + at, mask=inside) + tl.load(att_ptr + at, mask=inside), mask=inside)
         pos = tl.load(pos_ptr + at, mask=inside, other=0)
@@ -38,6 +40,8 @@ def observe_pass(accumulated: Tensor, observed: Tensor, attention: Tensor, posit
     B, H, C = positions.shape
     check_storage(accumulated, observed, attention, positions, lengths)
     per_row = num_queries is not None
-    _observe_kernel[(B * H,)](accumulated, observed, attention, positions, lengths,
-                              num_queries.contiguous() if per_row else lengths, H, C, PER_ROW=per_row,
-                              BLOCK_C=scan_tile(C, BLOCK_C), num_warps=WARPS)
+    NB, span = row_blocks(B * H, C, BLOCK_SCAN, positions.device)
+    newest = newest_by_blocks(positions, lengths, NB, span)
+    _observe_kernel[(B * H, NB)](accumulated, observed, attention, positions, lengths,
+                                 num_queries.contiguous() if per_row else lengths, newest, H, C, span, NB,
+                                 PER_ROW=per_row, BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))

@@ -7,8 +7,8 @@ into the chosen one. The in-place evictions of a decode step (``evict_lowest``: 
 H2O's and StreamingLLM's, the protected counts derived from the budget on the device) split each row over blocks
 instead (``row_blocks``), a launch per phase, so that a batch of one fills the device; a step is then two or
 three launches per layer instead of a dozen small torch operations. The row operations (``newest_position``,
-``lowest_unprotected``, ``next_position``, ``move_last``, the best-match folds and ``row_blocks``) are also the
-parts of the merging methods' fused decode steps (``triton_*_step``).
+``lowest_in``, ``next_in``, ``move_last``, the folds, ``row_blocks``, ``newest_by_blocks`` and
+``lowest_by_blocks``) are also the parts of the merging methods' fused decode steps (``triton_*_step``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def next_in_tile(pos, c, real, after):
 @triton.jit
 def next_in(pos_ptr, row, length, after, C, start, stop, BLOCK_C: tl.constexpr):
     """(position, slot) of the oldest position after ``after`` among one row's slots [start, stop); (NO_POSITION,
-    0) when there is none."""
+    0) when there is none (slots.next_slots, one at a time)."""
     best = tl.full((), NO_POSITION, tl.int64)
     slot = tl.full((), 0, tl.int64)
     for c0 in range(start, stop, BLOCK_C):
@@ -85,13 +85,6 @@ def next_in(pos_ptr, row, length, after, C, start, stop, BLOCK_C: tl.constexpr):
         slot = tl.where(low < best, at, slot)
         best = tl.minimum(low, best)
     return best, slot
-
-
-@triton.jit
-def next_position(pos_ptr, row, length, after, C, BLOCK_C: tl.constexpr):
-    """(position, slot) of the oldest position after ``after`` in one row; (NO_POSITION, 0) when there is none
-    (slots.next_slots, one at a time)."""
-    return next_in(pos_ptr, row, length, after, C, 0, C, BLOCK_C)
 
 
 @triton.jit

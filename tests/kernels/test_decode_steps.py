@@ -175,6 +175,25 @@ def test_d2o_step_matches_reference(shape, layer_scope, weighted, seed, dtype, o
     assert_same_cache(got, want, output_tolerance, state_tolerance=1e-6)  # the threshold follows the cosines
 
 
+@pytest.mark.parametrize("layer_scope", [False, True], ids=["head", "layer"])
+def test_d2o_step_over_blocks_matches_reference(layer_scope):
+    """Rows longer than the victim's block (three a row here): the newest position and the lowest attention found
+    block by block and folded, ties among them (attention in halves) falling in any block; the same victim,
+    match and merge as the reference."""
+    def make():
+        s = storage(1, 2, 2500, 16, 3, torch.float32, 8)
+        s["state"][2] = 0.3
+        return s
+
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
+             s["n_keep"], 3, 1, 2, 0.7, layer_scope, True)
+
+    assert triton_slots.row_blocks(2, 2500, triton_slots.BLOCK_SCAN, torch.device("cpu"))[0] == 3
+    got, want = run_both(d2o_step.d2o_step, triton_d2o_step.d2o_step, make, call)
+    assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
+
+
 # (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
 # gamma just above 1 (a TBM share only for budgets >= 5), and each key rule (lut, bias with/without positions)
 EMS_RULES = [(0.0, 4.0, "key_value", True, False, False), (0.5, 1.0, "key_value", True, False, False),
@@ -273,7 +292,7 @@ def test_ems_step_unrotates_the_keys_it_reads(dtype, rule, context, output_toler
         assert torch.equal(got_table, given_table)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", [*SHAPES, (1, 2, 2500, 8)], ids=str)  # the last: rows of three blocks
 @pytest.mark.parametrize("queries", [None, "per_row"])
 def test_observe_pass_matches_reference(shape, queries):
     def make():
@@ -371,17 +390,19 @@ class Launches(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 5), ("cam_h2o", 5),
-                                           ("weightedkv", 5), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
+                                           ("weightedkv", 6), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
                                            ("ems_bias", 4), ("ems_from_rope", 6)])
 def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
     decode storage: the device runs its kernels and nothing else but scratch allocations (the torch path issues
-    ~10-300 operations). Observations: H2O's, CaM's and D2O's one torch addition, WeightedKV's and EMS's one launch.
+    ~10-300 operations). Observations: H2O's, CaM's and D2O's one torch addition, EMS's one launch, WeightedKV's
+    two (the blocks' newest positions, then its blocks' updates).
     Steps that split each row over blocks, a launch per phase: StreamingLLM's two (each block's lowest under the
     budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
     average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
-    WeightedKV's four (the newest, the lowest merge key, the next position, the merge and move). D2O's and EMS's
-    steps: three launches (a row's scans, the block-split best match, the merge; EMS's look-up table a fourth).
+    WeightedKV's four (the newest, the lowest merge key, the next position, the merge and move), D2O's four (the
+    newest, the lowest attention, the best match, the merge). EMS's step: three launches (a row's scans, the
+    block-split best match, the merge; its look-up table a fourth).
     ``ems_from_rope``: EMS's step handed the model's RoPE instead of raw keys, as the engine hands it for 16-bit keys:
     its kernels take RoPE off the keys they read and no un-RoPE'd copy of the cache is made, phase 2 running twice
     (the second for blocks past the RoPE table); with float32 keys ``Rope.unrotate`` would run as torch operations
