@@ -1,11 +1,12 @@
 """Calls 43-46: the decode steps of the methods that observe their steps, with the code of `a0317ec` (a copy of its
-``kvbench`` under ``old_a0317ec/``: one launch a row for H2O's, StreamingLLM's and TOVA's scan, the step attention from
-four torch operations) against this code (the rows' scans split over blocks; the step attention in one kernel;
-TOVA's from call 46 on).
+``kvbench`` under ``old_a0317ec/``: one program a row for the evictions' scans, the step attention from four torch
+operations) against this code (the rows' scans split over blocks; the step attention in one kernel; TOVA's from
+call 46 on; CaM's, D2O's and WeightedKV's after call 46, not yet run on a GPU: ``ab cam,d2o,weightedkv,full``).
 
-1. A/B in one process: the old Triton modules ``triton_slots`` and ``triton_decode`` loaded from the copy and their
-   entry points swapped in (``kvbench.kernels.slots`` and ``decode_attention`` call them through their modules),
-   each set's replayed step profiled by ``scripts.profile_points``, old, new, old, new.
+1. A/B in one process: the old Triton kernel modules loaded from the copy and their entry points (``SWAPPED``)
+   swapped in (the dispatchers call them through their modules), each set's replayed step profiled by
+   ``scripts.profile_points``, old, new, old, new. (Calls 43 and 46 swapped the first three entry points, the only
+   ones whose kernels had changed.)
 2. Token for token (call 44): the same prompts decoded by the old and the new code, each in a process of its own
    (budget 0.2, CUDA graphs, four 16k random prompts, 32 new tokens, batch 4); ``tokens METHODS old,old,new``
    (call 45) decodes with the old code twice, to see what two runs of the same code give.
@@ -18,6 +19,7 @@ TOVA's from call 46 on).
     PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens tova,h2o,streamingllm
 """
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -29,28 +31,51 @@ OLD = Path.cwd() / "old_a0317ec"
 TOKEN_METHODS = ("streamingllm", "h2o", "tova", "cam", "d2o", "weightedkv")
 
 
-def load_old(name: str):
+# the Triton entry points swapped (module, function): the dispatchers call them through their modules
+SWAPPED = (("triton_slots", "evict_in_budget"), ("triton_slots", "evict_lowest"), ("triton_decode", "decode_attention"),
+           ("triton_cam_step", "cam_step"), ("triton_d2o_step", "d2o_step"),
+           ("triton_weightedkv_step", "weightedkv_step"), ("triton_observe", "observe_pass"))
+
+
+def load_old(name: str, slots=None):
+    """The old copy's kernel module ``name``; its own imports of ``triton_slots`` get the old ``slots``."""
     spec = importlib.util.spec_from_file_location(f"old_{name}", OLD / "kvbench" / "kernels" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    current = sys.modules.get("kvbench.kernels.triton_slots")
+    if slots is not None:
+        sys.modules["kvbench.kernels.triton_slots"] = slots
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if slots is not None:
+            sys.modules["kvbench.kernels.triton_slots"] = current
     return module
+
+
+def swap(functions: dict) -> None:
+    for (module, name), function in functions.items():
+        setattr(importlib.import_module(f"kvbench.kernels.{module}"), name, function)
 
 
 def ab(methods: list[str] | None = None) -> None:
     from kvbench import models
     from kvbench.hardware import copy_bandwidth
-    from kvbench.kernels import triton_decode, triton_slots
     from scripts.bench_decode_loop import prompts, ragged
     from scripts.profile_decode import configs
     from scripts.profile_points import point_engines, profile_points
 
-    versions = {"new": (triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention)}
-    old_slots, old_decode = load_old("triton_slots"), load_old("triton_decode")
-    versions["old"] = (old_slots.evict_in_budget, old_slots.evict_lowest, old_decode.decode_attention)
+    new = {(m, f): getattr(importlib.import_module(f"kvbench.kernels.{m}"), f) for m, f in SWAPPED}
+    old_slots = load_old("triton_slots")
+    modules = {"triton_slots": old_slots}
+    for module, _ in SWAPPED:
+        if module not in modules:
+            modules[module] = load_old(module, old_slots)
+    versions = {"new": new, "old": {(m, f): getattr(modules[m], f) for m, f in SWAPPED}}
     lm = models.load(configs("llama3.1-8b-shape-random", "full")[0])
     bandwidth = copy_bandwidth(lm.model.device)
     lines = []
     sets = [(65536, 1, "streamingllm", "0.2"), (65536, 1, "h2o", "0.2"), (65536, 1, "tova", "0.2"),
+            (65536, 1, "cam", "0.2"), (65536, 1, "d2o", "0.2"), (65536, 1, "weightedkv", "0.2"),
             (65536, 1, "full", "0.2"),
             (16000, 2, "streamingllm", "0.2,0.35,0.5"), (16000, 2, "h2o", "0.2,0.35,0.5"),
             (16000, 2, "tova", "0.2,0.35,0.5"), (16000, 2, "cam", "0.2,0.35,0.5"), (16000, 2, "d2o", "0.2,0.35,0.5"),
@@ -61,11 +86,11 @@ def ab(methods: list[str] | None = None) -> None:
         batch = prompts(len(lm.tokenizer), ragged(length, slots))
         args = argparse.Namespace(model="llama3.1-8b-shape-random", methods=method, budgets=budgets, length=length)
         for version in ("old", "new", "old", "new"):
-            triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention = versions[version]
+            swap(versions[version])
             engines = point_engines(args, lm.model)[method]
             lines.append(profile_points(engines, batch, 8, 6, bandwidth, f"{method} {length // 1000}k {version}"))
             del engines
-    triton_slots.evict_in_budget, triton_slots.evict_lowest, triton_decode.decode_attention = versions["new"]
+    swap(versions["new"])
     print("                   set  points  step ms   GPU ms  kernels  per pt+lyr bound ms  fraction")
     print("\n".join(lines))
 
