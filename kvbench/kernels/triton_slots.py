@@ -329,15 +329,15 @@ def move_last_into(victim: Tensor, lengths: Tensor, keys: Tensor, values: Tensor
                            BLOCK_DV=block_size(values.shape[-1]), BLOCK_S=block_size(S))
 
 
-BLOCK_SCAN = 1024  # slots per tile of a block's scan (``_evict_by_blocks``)
+BLOCK_SCAN = 1024  # slots per tile of a block's scan (the block-split evictions and decode steps)
 
 
 def evict_in_budget(scores: Tensor | None, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: int,
                     heavy_ratio: float | None, keys: Tensor, values: Tensor, state: Tensor) -> None:
     """H2O's (``heavy_ratio``) and StreamingLLM's step: ``_evict_by_blocks`` under each row's budget."""
+    # no per-row sinks or recent window under a budget: ``lengths`` stands in for them, unread
     _evict_by_blocks(positions if scores is None else scores, lengths, positions, keys, values, state,
-                     n_keep.to(lengths).contiguous(), lengths, lengths, sinks, heavy_ratio, budget=True)  # no
-    # per-row sinks and recent window: ``lengths`` stands in for them, unread
+                     n_keep.to(lengths).contiguous(), lengths, lengths, sinks, heavy_ratio, budget=True)
 
 
 def evict_lowest(scores: Tensor, lengths: Tensor, positions: Tensor, sinks: Tensor, recent: Tensor,
@@ -389,7 +389,7 @@ def lowest_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, n_keep:
         scores = scores.contiguous()
     rows = B * H
     count, span = row_blocks(rows, C, BLOCK_SCAN, positions.device)
-    newest_of = newest_by_blocks(positions, lengths, count, span) if newest else lengths  # unread without
+    newest_of = newest_by_blocks(positions, lengths, count, span) if newest else lengths  # unread if not wanted
     oldest, slot = (torch.empty(rows * count, dtype=torch.int64, device=positions.device) for _ in range(2))
     best = torch.empty(rows * count, dtype=torch.float32, device=positions.device)
     _block_lowest_kernel[(rows, count)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
