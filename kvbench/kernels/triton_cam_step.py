@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (NO_POSITION, block_size, check_storage, fold_blocks, lowest_by_blocks,
-                                          move_last, next_in, next_in_tile)
+                                          move_last, newest_of_blocks, next_in, next_in_tile)
 
 BLOCK_C = 8192  # the largest block ``_next_kernel`` holds in registers for its n reductions
 WARPS = 16
@@ -111,8 +111,7 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, newest_ptr
     score = tl.load(att_ptr + row * C + victim)
     prob = merge_probability(score, total, count)
     if DRAW:
-        b = tl.arange(0, BLOCK_NB)
-        newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
         prob = (uniform_draw(KEY, row % H, evicted, newest) < prob).to(tl.float32)
     share = tl.math.div_rn(prob, N + tl.zeros((), tl.float32))
     dv = tl.arange(0, BLOCK_DV)

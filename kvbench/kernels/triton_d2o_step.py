@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
                                           fold_blocks, fold_highest, lowest_in, move_last, newest_by_blocks,
-                                          row_blocks, scan_tile)
+                                          newest_of_blocks, row_blocks, scan_tile, store_block)
 
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -47,14 +47,11 @@ def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, ol
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
     sinks = tl.minimum(keep - recent, N_SINKS)
-    b = tl.arange(0, BLOCK_NB)
-    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+    newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     start = block * span
     best, oldest, slot = lowest_in(att_ptr + row * C, pos_ptr, row, length, sinks, recent, newest, 1, C, start,
                                    tl.minimum(start + span, C), True, BLOCK_C)
-    tl.store(best_ptr + row * NB + block, best)
-    tl.store(oldest_ptr + row * NB + block, oldest)
-    tl.store(slot_ptr + row * NB + block, slot)
+    store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, slot)
 
 
 @triton.jit
@@ -79,9 +76,7 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, s
         cosine = tl.where(other, tl.sum(source[None, :] * tl.math.div_rn(key, norm[:, None]), 1), float("-inf"))
         pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
         best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
-    tl.store(sim_ptr + row * NB + block, best)
-    tl.store(at_pos_ptr + row * NB + block, oldest)
-    tl.store(at_slot_ptr + row * NB + block, match)
+    store_block(sim_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
 
 
 @triton.jit

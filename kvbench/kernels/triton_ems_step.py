@@ -40,7 +40,8 @@ from torch import Tensor
 
 from kvbench.kernels.redundancy import SIMILARITIES
 from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
-                                          fold_lowest, move_last, newest_position, ratio_bits, row_blocks, scan_tile)
+                                          fold_lowest, move_last, newest_position, ratio_bits, row_blocks, scan_tile,
+                                          store_block)
 
 if TYPE_CHECKING:
     from kvbench.attention import Rope
@@ -126,7 +127,7 @@ def _redundancy_kernel(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, r_p
             best, oldest, match, _ = _block_redundancy(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, rope,
                                                        TABLE_ROWS, SCALING, row, block, C, D, DV, SPAN, SIMILARITY,
                                                        UNROTATE, False, BLOCK_S, BLOCK_H, BLOCK_DV)
-            _store_block(r_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
+            store_block(r_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
     else:
         best, oldest, match, past = _block_redundancy(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, rope,
                                                       TABLE_ROWS, SCALING, row, block, C, D, DV, SPAN, SIMILARITY,
@@ -136,14 +137,7 @@ def _redundancy_kernel(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, r_p
         if TABLE:
             _scan_lut(lut_pos_ptr, lut_centre_ptr, lut_part_ptr, row, block, NB, E, E_SPAN,
                       tl.load(pos_ptr + row * C + tl.load(t_ptr + row)), BLOCK_E)
-        _store_block(r_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
-
-
-@triton.jit
-def _store_block(r_ptr, at_pos_ptr, at_slot_ptr, at, best, oldest, match):
-    tl.store(r_ptr + at, best)
-    tl.store(at_pos_ptr + at, oldest)
-    tl.store(at_slot_ptr + at, match)
+        store_block(r_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
 
 
 @triton.jit

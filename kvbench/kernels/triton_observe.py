@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvbench.kernels.triton_slots import BLOCK_SCAN, block_size, check_storage, newest_by_blocks, row_blocks
+from kvbench.kernels.triton_slots import (BLOCK_SCAN, block_size, check_storage, newest_by_blocks, newest_of_blocks,
+                                          row_blocks)
 
 
 @triton.jit
@@ -21,8 +22,7 @@ def _observe_kernel(acc_ptr, obs_ptr, att_ptr, pos_ptr, len_ptr, queries_ptr, ne
         queries = tl.load(queries_ptr + row // H).to(tl.int64)
     else:
         queries = 1
-    b = tl.arange(0, BLOCK_NB)
-    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+    newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     start = block * span
     stop = tl.minimum(start + span, C)
     for c0 in range(start, stop, BLOCK_C):

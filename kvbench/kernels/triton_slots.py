@@ -7,8 +7,9 @@ into the chosen one. The in-place evictions of a decode step (``evict_lowest``: 
 H2O's and StreamingLLM's, the protected counts derived from the budget on the device) split each row over blocks
 instead (``row_blocks``), a launch per phase, so that a batch of one fills the device; a step is then two or
 three launches per layer instead of a dozen small torch operations. The row operations (``newest_position``,
-``lowest_in``, ``next_in``, ``move_last``, the folds, ``row_blocks``, ``newest_by_blocks`` and
-``lowest_by_blocks``) are also the parts of the merging methods' fused decode steps (``triton_*_step``).
+``lowest_in``, ``next_in``, ``move_last``, ``store_block`` and the folds of blocks' results, ``row_blocks``,
+``newest_by_blocks`` and ``lowest_by_blocks``) are also the parts of the merging methods' fused decode steps
+(``triton_*_step``).
 """
 
 from __future__ import annotations
@@ -219,17 +220,14 @@ def _block_lowest_kernel(score_ptr, sb, sh, pos_ptr, len_ptr, keep_ptr, sink_ptr
     else:
         sinks, recent, age_sign = tl.load(sink_ptr + row), tl.load(recent_ptr + row), 1
     if HEAVY or not BUDGET:
-        b = tl.arange(0, BLOCK_NB)
-        newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     else:
         newest = tl.full((), NO_POSITION, tl.int64)
     start = block * span
     best, oldest, slot = lowest_in(score_ptr + (row // H) * sb + (row % H) * sh, pos_ptr, row, length, sinks, recent,
                                    newest, age_sign, C, start, tl.minimum(start + span, C), HEAVY or not BUDGET,
                                    BLOCK_C)
-    tl.store(best_ptr + row * NB + block, best)
-    tl.store(oldest_ptr + row * NB + block, oldest)
-    tl.store(slot_ptr + row * NB + block, slot)
+    store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, slot)
 
 
 @triton.jit
@@ -243,6 +241,22 @@ def _fold_move_kernel(best_ptr, oldest_ptr, slot_ptr, len_ptr, k_ptr, v_ptr, pos
     victim = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
     move_last(victim, row, len_ptr, k_ptr, v_ptr, pos_ptr, state_ptr, C, D, DV, S, state_stride, BLOCK_D, BLOCK_DV,
               BLOCK_S)
+
+
+@triton.jit
+def newest_of_blocks(newest_ptr, row, NB, BLOCK_NB: tl.constexpr):
+    """One row's newest position: the newest of its blocks' (``newest_by_blocks``)."""
+    b = tl.arange(0, BLOCK_NB)
+    return tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+
+
+@triton.jit
+def store_block(score_ptr, pos_ptr, slot_ptr, at, score, position, slot):
+    """A block's result (its best score, that slot's position and index) at ``at`` = row * NB + block, where the
+    fold over a row's blocks reads it (``fold_blocks``, ``best_of_blocks``)."""
+    tl.store(score_ptr + at, score)
+    tl.store(pos_ptr + at, position)
+    tl.store(slot_ptr + at, slot)
 
 
 @triton.jit

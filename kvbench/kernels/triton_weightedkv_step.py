@@ -18,7 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, block_size, check_storage, fold_blocks,
-                                          fold_lowest, move_last, newest_by_blocks, next_in, next_in_tile, row_blocks)
+                                          fold_lowest, move_last, newest_by_blocks, newest_of_blocks, next_in,
+                                          next_in_tile, row_blocks, store_block)
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # the merge key of never-observed slots (after every observed one)
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
@@ -61,8 +62,7 @@ def _lowest_kernel(pos_ptr, len_ptr, acc_ptr, obs_ptr, keep_ptr, newest_ptr, bes
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     sinks, recent = _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT)
-    b = tl.arange(0, BLOCK_NB)
-    newest = tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+    newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)
     j = tl.full((), 0, tl.int64)
@@ -74,9 +74,7 @@ def _lowest_kernel(pos_ptr, len_ptr, acc_ptr, obs_ptr, keep_ptr, newest_ptr, bes
         best, oldest, j = _fold_tile(acc_ptr, obs_ptr, row * C, c, real,
                                      tl.load(pos_ptr + row * C + c, mask=real, other=-1), sinks, newest - recent,
                                      best, oldest, j)
-    tl.store(best_ptr + row * NB + block, best)
-    tl.store(oldest_ptr + row * NB + block, oldest)
-    tl.store(slot_ptr + row * NB + block, j)
+    store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, j)
 
 
 @triton.jit

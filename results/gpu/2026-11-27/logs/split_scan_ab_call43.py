@@ -96,26 +96,13 @@ def ab(methods: list[str] | None = None) -> None:
 
 
 def decode_tokens(methods: list[str]) -> None:
-    import torch
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    import kvbench
-    from kvbench import models
-    from kvbench.budget import Budget
-    from kvbench.engine import Engine
-
-    conf = str(Path(kvbench.__file__).resolve().parent.parent / "conf")
-    out, lm = {}, None
-    for name in methods:
-        with initialize_config_dir(config_dir=conf, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=["model=llama3.1-8b-shape-random", f"method={name}"])
-        lm = lm or models.load(cfg.model)
-        g = torch.Generator().manual_seed(0)
-        batch = [torch.randint(0, len(lm.tokenizer), (16000 - 37 * i,), generator=g).tolist() for i in range(4)]
-        engine = Engine(lm.model, instantiate(cfg.method), Budget("fraction", 0.2), cuda_graphs=True)
-        out[name] = [gen.tokens for gen in engine.generate(batch, 32, stop_token_ids=set(), batch_size=4)]
-    print("TOKENS " + json.dumps(out))
+    """Call 39's decoding (``old_vs_new_tokens_call39.run``: the same prompts, settings and output) for ``methods``."""
+    path = Path(__file__).with_name("old_vs_new_tokens_call39.py")
+    spec = importlib.util.spec_from_file_location("old_vs_new_tokens_call39", path)
+    call39 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(call39)
+    call39.METHODS = tuple(methods)
+    call39.run()
 
 
 def tokens(methods: list[str], runs: list[str]) -> None:
