@@ -8,7 +8,7 @@ similar other slot by key cosine u (ties: the oldest position); the row's EMA th
 that slot (keys and values, ``merge_terms``' weights); every slot of the row takes the new threshold, and the
 row's last slot moves into the victim's.
 
-Torch reference; ``triton_d2o_step`` holds the three-launch kernel of the same signature (``dispatch``).
+Torch reference; ``triton_d2o_step`` holds the four-launch kernel of the same signature (``dispatch``).
 Shapes: keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths (B, H) long; state
 (S, B, H, C) float32, every per-slot state stacked, ``attention`` and ``threshold`` two of its rows (the row's
 threshold repeated on every slot, NaN before the first eviction); n_keep (B,) long.

@@ -14,8 +14,9 @@ With the victim found inside phase 2, each of its programs (hundreds per row at 
 holds) rescanned the whole row to do ~C / blocks cosines, ~45 us a layer on an H100 at 6.5k slots against a
 launch's few microseconds; one program per row finding it was latency-bound at a batch of one.
 Floating-point contraction is off; cosines and exp round differently from torch's matmul and exp (float32
-units in the last place), which moves a merge decision only when a cosine sits within that of the threshold
-or of another slot's cosine.
+units in the last place: a cosine is the unit victim key's dot product with a key divided by that key's norm,
+where torch divides every element of the key first), which moves a merge decision only when a cosine sits
+within that of the threshold or of another slot's cosine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_block
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
+MATCH_WARPS = 4  # the best-match launch's: with 8 programs a multiprocessor, 4 warps each beat 8 (call 49)
 EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
@@ -69,11 +71,14 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, s
     match = tl.full((), -1, tl.int64)
     for s0 in range(block * SPAN, block * SPAN + SPAN, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        other = (s < length) & (s != victim)
-        key = tl.load(k_ptr + (row * C + s[:, None]) * D + d[None, :], mask=other[:, None] & (d[None, :] < D),
+        real = s < length  # not masked by the victim: the tile's loads need not wait for it
+        key = tl.load(k_ptr + (row * C + s[:, None]) * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
                       other=0.0).to(tl.float32)
         norm = tl.maximum(tl.sqrt_rn(tl.sum(key * key, 1)), EPS)
-        cosine = tl.where(other, tl.sum(source[None, :] * tl.math.div_rn(key, norm[:, None]), 1), float("-inf"))
+        other = real & (s != victim)
+        # the dot product divided by the key's norm, not the key's every element divided (torch's unit keys):
+        # 0.6x the launch (call 49), cosines within a float32 ulp or two of the per-element form
+        cosine = tl.where(other, tl.math.div_rn(tl.sum(source[None, :] * key, 1), norm), float("-inf"))
         pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
         best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
     store_block(sim_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
@@ -146,7 +151,7 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
                                 BLOCK_NB=block_size(VNB))
     _match_kernel[(rows, NB)](keys, positions, lengths, low, low_position, low_slot, similarity, at_position, at_slot,
                               C, D, span, NB, VNB, BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), BLOCK_VNB=block_size(VNB),
-                              num_warps=WARPS)
+                              num_warps=MATCH_WARPS)
     _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, low, low_position, low_slot,
                            similarity, at_position, at_slot, H, C, D, DV, S, B * H * C, NB, VNB, beta, 1 - beta,
                            math.e if weighted else 1.0, LAYER_SCOPE=layer_scope, WEIGHTED=weighted,
