@@ -5,12 +5,15 @@ Skipped without CUDA (CI has none); the GPU runs (``scripts/gpu_session.sh``) ru
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+from kvbench import engine as engine_module
 from kvbench.budget import Budget
 from kvbench.decode import DecodeBatch, DecodeRequest
-from kvbench.engine import Engine
+from kvbench.engine import Engine, Session
 from kvbench.graphs import DecodeGraph
 from tests.conftest import tiny_model_config
 from tests.test_decode_batch import LENGTHS, requests_for, run
@@ -26,9 +29,11 @@ def cuda_model():
     return models.load(tiny_model_config(device="cuda")).model
 
 
-def decode(engine: Engine, prompts, steps: int, tokens: list | None = None, graphs: bool = False):
-    """Logits of every step; feeds ``tokens`` when given (teacher forcing), else the argmax."""
-    session = engine.prefill(prompts, max_new_tokens=steps + 1)
+def decode(engine: Engine, prompts, steps: int, tokens: list | None = None, graphs: bool = False,
+           session: Session | None = None):
+    """Logits of every step; feeds ``tokens`` when given (teacher forcing), else the argmax. From ``session``
+    when given (prefilled for ``steps + 1`` tokens), else from a new prefill."""
+    session = engine.prefill(prompts, max_new_tokens=steps + 1) if session is None else session
     fed = torch.zeros(len(prompts), 1, dtype=torch.long, device=engine.device)
     runner = DecodeGraph([session], lambda static: session.feed(fed, "decode", static)) if graphs else None
     logits, chosen = [], []
@@ -58,6 +63,32 @@ def test_cuda_graph_steps_compute_what_eager_steps_compute(cuda_model, name):
     # a step repeats (and replays) unless the method compresses through ``compress`` at every step
     repeats = method.evicts_in_place or not method.compress_during_decode or method.decode_interval > 1
     assert (runner.replays > 0) == repeats
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_layer_lanes_change_no_bit(cuda_model, name, monkeypatch):
+    """The layers' observations and in-place evictions spread over side streams (``LAYER_STREAMS``) give the
+    logits of the step that runs them in line, bit for bit, eager and replayed (the same kernels on the same
+    tensors: only their order across layers changes). Every run decodes a copy of one prefill: prompt
+    compressions that merge through float atomic adds differ from run to run in the last bits. Where two
+    in-line runs already differ (decode-time compressions with atomic adds: Chelsea's, some of EMS's), the lanes
+    are held to what the in-line runs give each other (the eager-vs-graph tolerance)."""
+    assert engine_module.LAYER_STREAMS > 1
+    prompts = random_prompts([45, 30], cuda_model.config.vocab_size)
+    engine = Engine(cuda_model, build(name), Budget("tokens", 12))
+    prefilled = engine.prefill(prompts, max_new_tokens=17)
+
+    def run(streams: int, graphs: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(engine_module, "LAYER_STREAMS", streams)
+        session = copy.deepcopy(prefilled, memo={id(engine): engine, id(prefilled.timer): prefilled.timer})
+        return decode(engine, prompts, 16, graphs=graphs, session=session)[0]
+
+    for graphs in (False, True):
+        in_line, again, lanes = run(1, graphs), run(1, graphs), run(engine_module.LAYER_STREAMS, graphs)
+        deterministic = all(torch.equal(a, b) for a, b in zip(in_line, again))
+        tolerance = {"atol": 0, "rtol": 0} if deterministic else {"atol": 1e-4, "rtol": 1e-4}
+        for a, b in zip(in_line, lanes):
+            torch.testing.assert_close(b, a, **tolerance)
 
 
 def test_a_batch_of_every_point_decodes_the_same_tokens_replayed_and_eager(cuda_model):
