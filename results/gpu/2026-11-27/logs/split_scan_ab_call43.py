@@ -17,6 +17,14 @@ call 46 on; CaM's, D2O's and WeightedKV's after call 46, not yet run on a GPU: `
     PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens d2o,weightedkv old,old,new
     PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py ab tova,full   # call 46
     PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens tova,h2o,streamingllm
+
+Session 8 compared CaM's, D2O's and WeightedKV's steps over blocks (``5bc13fd``, ``23bc0e9``) with their parent
+(calls 47, 48), and the layer lanes' tokens with ``fa53334`` (call 52):
+
+    git archive 7f3f5f8 kvbench conf | tar -x -C old_7f3f5f8
+    KVBENCH_OLD=old_7f3f5f8 PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py ab cam,d2o,weightedkv,full
+    KVBENCH_OLD=old_7f3f5f8 PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens cam,d2o,weightedkv old,old,new
+    KVBENCH_OLD=old_fa53334 PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/split_scan_ab_call43.py tokens cam,tova,h2o old,new
 """
 import argparse
 import importlib
@@ -27,7 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-OLD = Path.cwd() / "old_a0317ec"
+# the old code: a copy of a commit's kvbench and conf (KVBENCH_OLD)
+OLD = Path.cwd() / os.environ.get("KVBENCH_OLD", "old_a0317ec")
 TOKEN_METHODS = ("streamingllm", "h2o", "tova", "cam", "d2o", "weightedkv")
 
 
@@ -41,6 +50,7 @@ def load_old(name: str, slots=None):
     """The old copy's kernel module ``name``; its own imports of ``triton_slots`` get the old ``slots``."""
     spec = importlib.util.spec_from_file_location(f"old_{name}", OLD / "kvbench" / "kernels" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass of the module looks its module up while being made
     current = sys.modules.get("kvbench.kernels.triton_slots")
     if slots is not None:
         sys.modules["kvbench.kernels.triton_slots"] = slots
