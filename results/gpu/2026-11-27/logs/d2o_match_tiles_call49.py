@@ -8,18 +8,24 @@ row is timed as 32 launches captured in one CUDA graph (one per layer), replayed
 product by the key's norm instead of normalising every element (``dot``), which rounds differently (a few
 float32 ulps of the cosine) and is reported with its largest cosine difference.
 
+In call 49 the ``dot`` form was this script's own kernel; it landed as ``triton_d2o_step._match_kernel``
+(``cdff820``), so the script now reads the ``norm`` form from a copy of the code before it:
+
+    git archive fa53334 kvbench conf | tar -x -C old_fa53334
     PYTHONPATH=/tmp/site:. python3 results/gpu/2026-11-27/logs/d2o_match_tiles_call49.py
 """
+import importlib.util
 import itertools
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 from kvbench.kernels import triton_d2o_step as d2o
 from kvbench.kernels import triton_slots
-from kvbench.kernels.triton_slots import BLOCK_SCAN, NO_POSITION, block_size, fold_blocks, fold_highest, store_block
+from kvbench.kernels.triton_slots import BLOCK_SCAN, block_size
 
 # a CPU dry run of the script (TRITON_INTERPRET=1, tiny shapes, no timing): DRY=1
 DRY = os.environ.get("DRY") == "1"
@@ -28,30 +34,15 @@ DEVICE = "cpu" if DRY else "cuda"
 SPACE = ((1, 2), (32,), (4,), (2,)) if DRY else ((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3))
 
 
-@triton.jit
-def _match_dot_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr, at_pos_ptr, at_slot_ptr,
-                      C, D, SPAN, NB, VNB, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_VNB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    victim = fold_blocks(low_ptr, low_pos_ptr, low_slot_ptr, row, VNB, BLOCK_VNB)
-    length = tl.load(len_ptr + row)
-    d = tl.arange(0, BLOCK_D)
-    source = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D, other=0.0).to(tl.float32)
-    source = tl.math.div_rn(source, tl.maximum(tl.sqrt_rn(tl.sum(source * source, 0)), d2o.EPS))
-    best = tl.full((), float("-inf"), tl.float32)
-    oldest = tl.full((), NO_POSITION, tl.int64)
-    match = tl.full((), -1, tl.int64)
-    for s0 in range(block * SPAN, block * SPAN + SPAN, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        real = s < length
-        key = tl.load(k_ptr + (row * C + s[:, None]) * D + d[None, :], mask=real[:, None] & (d[None, :] < D),
-                      other=0.0).to(tl.float32)
-        norm = tl.maximum(tl.sqrt_rn(tl.sum(key * key, 1)), d2o.EPS)
-        other = real & (s != victim)
-        cosine = tl.where(other, tl.math.div_rn(tl.sum(source[None, :] * key, 1), norm), float("-inf"))
-        pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
-        best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
-    store_block(sim_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
+def old_match_kernel():
+    """``_match_kernel`` of the copy of ``fa53334`` (every key element divided by the key's norm): the form call 49
+    measured as "norm"."""
+    path = Path.cwd() / os.environ.get("KVBENCH_OLD", "old_fa53334") / "kvbench" / "kernels" / "triton_d2o_step.py"
+    spec = importlib.util.spec_from_file_location("old_triton_d2o_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module._match_kernel
 
 
 def setup(rows_b, C, length, D=128):
@@ -119,14 +110,15 @@ def main():
         print(torch.cuda.get_device_name(), "SMs", torch.cuda.get_device_properties(0).multi_processor_count)
     for name, (b, C, length) in shapes.items():
         s = setup(b, C, length)
-        ref_launch, ref_out, _, _ = launcher(d2o._match_kernel, s, d2o_programs(), d2o.BLOCK_S, d2o.WARPS, 3)
+        old = old_match_kernel()
+        ref_launch, ref_out, _, _ = launcher(old, s, d2o_programs(), d2o.BLOCK_S, d2o.WARPS, 3)
         ref_launch()
         if not DRY:
             torch.cuda.synchronize()
         reference = ref_out[0].max(1).values.clone(), ref_out[2].clone()
         print(f"== {name}: rows {s['rows']}, C {C}, bytes a launch {s['keys'].numel() * 2 / 1e6:.1f} MB")
         print("kernel  per_sm  block_s  warps  stages  blocks  span  us/launch  max |dcos|  same match")
-        for kernel_name, kernel in (("norm", d2o._match_kernel), ("dot", _match_dot_kernel)):
+        for kernel_name, kernel in (("norm", old), ("dot", d2o._match_kernel)):
             for per_sm, block_s, warps, stages in itertools.product(*SPACE):
                 try:
                     launch, out, NB, span = launcher(kernel, s, per_sm, block_s, warps, stages)
