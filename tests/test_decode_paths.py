@@ -18,8 +18,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvbench import engine as engine_module
 from kvbench.budget import Budget
-from kvbench.engine import Engine
+from kvbench.engine import DECODE_PATHS, Engine
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kv import AttentionStats, LayerKV
 
@@ -108,6 +109,26 @@ def test_in_place_eviction_keeps_what_compress_keeps(tiny_model, name):
                     torch.testing.assert_close(got[pos][1], want[pos][1])
                     assert got[pos][2] == pytest.approx(want[pos][2], rel=1e-5, abs=1e-6)
                 assert table_entries(fast.kv, b, h) == table_entries(ref.kv, b, h)
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_only_in_place_steps_spread_over_streams(tiny_model, monkeypatch, path):
+    """A decode step hands its layers to side streams (``layer_lanes``) only when every layer's work is in place:
+    a compression allocates storage that the step goes on using, so it stays on the step's own stream."""
+    asked = []
+    spread = engine_module.layer_lanes
+
+    def recording(device, count):
+        asked.append(count)
+        return spread(device, count)
+
+    monkeypatch.setattr(engine_module, "layer_lanes", recording)
+    engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12), decode_path=path)
+    session = engine.prefill(random_prompts([45, 30], tiny_model.config.vocab_size), max_new_tokens=8)
+    asked.clear()
+    for _ in range(6):  # every step one slot over the budget: an eviction at each
+        session.feed(session.logits.argmax(-1).view(-1, 1))
+    assert asked == [engine_module.LAYER_STREAMS if path == "in_place" else 1] * 6
 
 
 @pytest.mark.parametrize("name", [case for case in CASES if build(case).evicts_in_place])
