@@ -39,6 +39,17 @@ def run() -> None:
     print("TOKENS " + json.dumps(out))
 
 
+def decoded(label: str, command: list[str], env: dict, cwd: Path) -> dict:
+    """The tokens a child process decoding with ``command`` prints (its ``TOKENS`` line); exits, with the child's
+    error, when it printed none."""
+    done = subprocess.run([sys.executable, *command], env=env, cwd=cwd, capture_output=True, text=True)
+    line = [l for l in done.stdout.splitlines() if l.startswith("TOKENS ")]
+    if not line:
+        print(label, "failed:", done.stderr[-3000:])
+        sys.exit(1)
+    return json.loads(line[0][7:])
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["run"]:
         run()
@@ -51,12 +62,7 @@ if __name__ == "__main__":
     got = {}
     for label, root, kernels in runs:
         env = dict(os.environ, PYTHONPATH=f"{root}:{site}", KVBENCH_KERNELS=kernels)
-        done = subprocess.run([sys.executable, __file__, "run"], env=env, cwd=root, capture_output=True, text=True)
-        line = [l for l in done.stdout.splitlines() if l.startswith("TOKENS ")]
-        if not line:
-            print(label, "failed:", done.stderr[-3000:])
-            sys.exit(1)
-        got[label] = json.loads(line[0][7:])
+        got[label] = decoded(label, [__file__, "run"], env, root)
     labels = list(got)
     for name in METHODS:
         for i, a in enumerate(labels):

@@ -29,9 +29,7 @@ Session 8 compared CaM's, D2O's and WeightedKV's steps over blocks (``5bc13fd``,
 import argparse
 import importlib
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -105,29 +103,30 @@ def ab(methods: list[str] | None = None) -> None:
     print("\n".join(lines))
 
 
-def decode_tokens(methods: list[str]) -> None:
-    """Call 39's decoding (``old_vs_new_tokens_call39.run``: the same prompts, settings and output) for ``methods``."""
+def call39():
+    """``old_vs_new_tokens_call39``: its decoding (``run``) and its reading of a child's tokens (``decoded``)."""
     path = Path(__file__).with_name("old_vs_new_tokens_call39.py")
     spec = importlib.util.spec_from_file_location("old_vs_new_tokens_call39", path)
-    call39 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(call39)
-    call39.METHODS = tuple(methods)
-    call39.run()
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def decode_tokens(methods: list[str]) -> None:
+    """Call 39's decoding (``old_vs_new_tokens_call39.run``: the same prompts, settings and output) for ``methods``."""
+    module = call39()
+    module.METHODS = tuple(methods)
+    module.run()
 
 
 def tokens(methods: list[str], runs: list[str]) -> None:
     site = os.environ.get("PYTHONPATH", "")
+    decoded = call39().decoded
     got = {}
     for i, version in enumerate(runs):
         label = f"{version} {i}"
         env = dict(os.environ, PYTHONPATH=f"{OLD if version == 'old' else Path.cwd()}:{Path.cwd()}:{site}")
-        done = subprocess.run([sys.executable, __file__, "decode", ",".join(methods)], env=env, cwd=Path.cwd(),
-                              capture_output=True, text=True)
-        line = [l for l in done.stdout.splitlines() if l.startswith("TOKENS ")]
-        if not line:
-            print(label, "failed:", done.stderr[-3000:])
-            sys.exit(1)
-        got[label] = json.loads(line[0][7:])
+        got[label] = decoded(label, [__file__, "decode", ",".join(methods)], env, Path.cwd())
     labels = list(got)
     for one, other in zip(labels, labels[1:]):
         for name in methods:
