@@ -15,6 +15,7 @@ slot of every entry (B, H, C) long, and the view's lengths (B, H).
 
 This is the torch reference (gathers, a concatenation and a stable sort that left-aligns the attended
 entries); ``triton_lut_expand`` writes the view in two launches after a cumulative count of the live members.
+``centre_slots`` finds the ``slot`` and ``live`` that the view and ``lut_attention`` take.
 The member keys differ only by how ||source|| is summed: float32 sums in another order, so a stored key of a
 bfloat16 cache may round to the neighbouring bfloat16 (one unit in the last place, 2^-7 relative).
 """
@@ -27,6 +28,28 @@ from torch import Tensor
 from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.select import true_first
 from kvbench.kernels.similarity import unit_keys
+
+
+def centre_slots(positions: Tensor, lengths: Tensor, centre: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, H, E) long: the stored slot of every LUT member's centre, found by its position ``centre`` (B, H, E)
+    long (0 where not live); and (B, H, E) bool: whether the entry is a member whose centre is stored (False
+    on unused entries, centre -1). ``positions`` (B, H, T), ``lengths`` (B, H): the stored slots.
+
+    A binary search in the sorted stored positions: O((E + T) log T), where comparing every entry with every
+    slot would hold an (E x T) mask per head at each step. Positions are sorted as int32 (token indices fit):
+    a radix sort of half the key bits, half the passes. EMS's decode step runs this at every layer, on the
+    step's critical path: the Triton twin makes the sort's input and reads its output in one launch each (the
+    torch sort between), about twenty launches fewer, the same integers."""
+    if use_triton("centre_slots", positions):
+        from kvbench.kernels import triton_lut_expand
+
+        return triton_lut_expand.centre_slots(positions, lengths, centre)
+    valid = torch.arange(positions.shape[-1], device=positions.device) < lengths.unsqueeze(-1)
+    stored = torch.where(valid, positions.to(torch.int32), torch.iinfo(torch.int32).max)
+    sorted_positions, order = stored.sort(dim=-1)
+    at = torch.searchsorted(sorted_positions, centre.to(torch.int32).contiguous()).clamp(max=stored.shape[-1] - 1)
+    live = (sorted_positions.gather(-1, at) == centre) & (centre >= 0)
+    return torch.where(live, order.gather(-1, at), 0), live
 
 
 def expand_lut(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, slot: Tensor, live: Tensor,

@@ -1,21 +1,27 @@
 """Triton twin of ``lut_attention.lut_attention``: EMS's one-query attention over stored slots and LUT members
-in four launches, reading K once, V once and the table once, every launch split over slots or table entries
+in five launches, reading K once, V once and the table once, every launch split over slots or table entries
 (a program per (split, b, kv head), every query head of the GQA group a row of its tiles, as ``triton_decode``):
 
 1. ``_slot_logits``, over key splits: the stored logits l_c (B, H_q, T) float32 (-inf past the row's length),
-   the stored keys' norms (B, H, T) and each split's largest logit;
+   the stored keys' norms (B, H, T), each split's largest logit, and zeros in launch 3's buffer;
 2. ``_member_logits``, over table splits: the members' logits rho_j l_c, gathered from launch 1's buffers
    (-inf where not live), and each split's largest;
 3. ``_member_weights``, over table splits: M, the largest logit of the row (from both launches' maxima), and
-   each member's weight exp(rho_j l_c - M) added onto its centre's slot (float32 atomic adds into a zeroed
-   (B, H_q, T) buffer, in any order, as ``fold_entries`` does);
+   each member's weight exp(rho_j l_c - M) added onto its centre's slot (float32 atomic adds into the
+   (B, H_q, T) buffer launch 1 zeroed, in any order, as ``fold_entries`` does);
 4. ``_weighted_values``, over key splits: W_c = exp(l_c - M) + the members' weights, the split's sum_c W_c v_c
-   and sum_c W_c (and W itself for the step attention, in launch 1's buffer); torch sums the splits and divides
-   (deterministic: no atomics in the output).
+   and sum_c W_c (and W itself for the step attention, in launch 1's buffer);
+5. ``_combine``, over blocks of slots: the splits' sums added in split order, the output divided by the row's
+   sum_c W_c and stored in the query's dtype, and the step attention W / sum averaged over the group (no
+   atomics in the output: deterministic given the member weights).
 A member pass of one program per row would loop over the whole table with dependent gathers (latency-bound
 at tens of thousands of entries); split, every launch is a few iterations per program. The grids depend on the
 storage's capacity and the table's size only: a captured CUDA graph replays while rows grow and shrink. Under
-the CPU interpreter, inputs are cast to float32 after loading (``triton_decode``).
+the CPU interpreter, inputs are cast to float32 after loading (``triton_decode``). Launch 5 replaced seven torch
+operations (two sums over the splits, a clamp, two divisions, a cast and the group's mean) and launch 1's zeros a
+memset, all on a decode step's critical path (EMS reads this at every layer); the sums over splits and heads run
+in another order than torch's, so the output and the step attention may differ from theirs in the last float32
+bit (the member weights' atomic adds already make them differ from run to run).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvbench.kernels.lut_attention import NORM_EPS
 from kvbench.kernels.triton_decode import DECODE_TILES, INTERPRETED, split_plan
 
 MEMBER_BLOCK = 1024  # table entries per program of launches 2 and 3
+COMBINE_BLOCK = 1024  # slots per program of launch 5
 
 
 @triton.jit
@@ -47,7 +54,7 @@ def _row_max(slot_max_ptr, member_max_ptr, q_rows, head_ok, n_splits, n_member_s
 
 @triton.jit
 def _slot_logits(
-    q_ptr, k_ptr, len_ptr, logit_ptr, norm_ptr, max_ptr,
+    q_ptr, k_ptr, len_ptr, logit_ptr, norm_ptr, max_ptr, mweight_ptr,
     sqb, sqh, sqd, skb, skh, skt, skd,
     H, T, D, split_size, n_splits, scaling,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -78,6 +85,8 @@ def _slot_logits(
         s = tl.where(real[None, :], s, float("-inf"))
         tl.store(logit_ptr + (b * H * GROUP + hq[:, None]) * T + cols[None, :], s,
                  mask=head_ok[:, None] & inside[None, :])
+        tl.store(mweight_ptr + (b * H * GROUP + hq[:, None]) * T + cols[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=head_ok[:, None] & inside[None, :])
         top = tl.maximum(top, tl.max(s, 1))
         kf = k.to(tl.float32)
         tl.store(norm_ptr + row * T + cols, tl.sqrt(tl.sum(kf * kf, axis=1)), mask=inside)
@@ -167,6 +176,43 @@ def _weighted_values(
     tl.store(sum_ptr + part, total, mask=head_ok)
 
 
+@triton.jit
+def _split_sum(sum_ptr, b, h, H, n_splits, heads, GROUP: tl.constexpr):
+    """The query heads' sum_c W_c over their key splits, added in split order (0 where a head is past GROUP)."""
+    total = tl.zeros_like(heads).to(tl.float32)
+    for split in range(n_splits):
+        total += tl.load(sum_ptr + ((b * n_splits + split) * H + h) * GROUP + heads, mask=heads < GROUP, other=0.0)
+    return tl.maximum(total, 1e-30)  # >= 1 on a row with a real slot
+
+
+@triton.jit
+def _combine(
+    acc_ptr, sum_ptr, weight_ptr, out_ptr, step_ptr, H, T, DV, n_splits, factor,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+    WANT_STEP: tl.constexpr,
+):
+    block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    b, h = row // H, row % H
+    if block == 0:  # the output of the group's query heads
+        heads = tl.arange(0, BLOCK_M)
+        dv = tl.arange(0, BLOCK_DV)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        for split in range(n_splits):
+            part = ((b * n_splits + split) * H + h) * GROUP + heads
+            acc += tl.load(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], mask=(heads < GROUP)[:, None], other=0.0)
+        total = _split_sum(sum_ptr, b, h, H, n_splits, heads, GROUP)
+        tl.store(out_ptr + (row * GROUP + heads[:, None]) * DV + dv[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=(heads < GROUP)[:, None] & (dv < DV)[None, :])
+    if WANT_STEP:  # W / sum_c W_c of every query head, averaged over the group
+        cols = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        step = tl.zeros((BLOCK_T,), tl.float32)
+        for g in tl.static_range(GROUP):
+            total = _split_sum(sum_ptr, b, h, H, n_splits, tl.full((1,), g, tl.int32), GROUP)
+            step += tl.load(weight_ptr + (row * GROUP + g) * T + cols, mask=cols < T, other=0.0) / total
+        tl.store(step_ptr + row * T + cols, step * factor, mask=cols < T)
+
+
 def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
                   member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False,
                   ) -> tuple[Tensor, Tensor | None]:
@@ -181,21 +227,24 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
     f32 = dict(dtype=torch.float32, device=query.device)
     logits, norms = torch.empty(B, Hq, T, **f32), torch.empty(B, H, T, **f32)
     slot_max, member_max = torch.empty(B, Hq, n_splits, **f32), torch.empty(B, Hq, n_member_splits, **f32)
-    member_logits, member_weights = torch.empty(B, Hq, E, **f32), torch.zeros(B, Hq, T, **f32)
+    member_logits, member_weights = torch.empty(B, Hq, E, **f32), torch.empty(B, Hq, T, **f32)  # zeroed by launch 1
     top = torch.empty(B, Hq, **f32)
     acc, sums = torch.empty(B, n_splits, Hq, block_dv, **f32), torch.empty(B, n_splits, Hq, **f32)
     lengths, member_slot = lengths.contiguous(), member_slot.contiguous()
+    live = live.contiguous()
+    if live.dtype == torch.bool:  # read as bytes: a view, no copy
+        live = live.view(torch.int8)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     members = dict(GROUP=group, BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK)
     maxima = dict(BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_SE=triton.next_power_of_2(n_member_splits))
     _slot_logits[(n_splits, B * H)](
-        query, keys, lengths, logits, norms, slot_max, query.stride(0), query.stride(1), query.stride(3),
-        *keys.stride(), H, T, D, split_size, n_splits, scaling,
+        query, keys, lengths, logits, norms, slot_max, member_weights, query.stride(0), query.stride(1),
+        query.stride(3), *keys.stride(), H, T, D, split_size, n_splits, scaling,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, UPCAST=INTERPRETED, PRECISION=precision,
         num_warps=warps, num_stages=stages,
     )
     _member_logits[(n_member_splits, B * H)](
-        logits, norms, member_slot, member_norm.float().contiguous(), live.to(torch.int8).contiguous(),
+        logits, norms, member_slot, member_norm.float().contiguous(), live,
         member_logits, member_max, T, E, n_member_splits, NORM_EPS, **members,
     )
     _member_weights[(n_member_splits, B * H)](
@@ -207,8 +256,10 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv, WANT_STEP=want_step,
         UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
-    total = sums.sum(1).clamp(min=1e-30)  # (B, H_q): >= 1 on a row with a real slot
-    out = (acc.sum(1)[..., :DV] / total.unsqueeze(-1)).to(query.dtype).view(B, Hq, 1, DV)
-    if not want_step:
-        return out, None
-    return out, (logits / total.unsqueeze(-1)).view(B, H, group, T).mean(2)
+    out = query.new_empty(B, Hq, 1, DV)
+    step = torch.empty(B, H, T, **f32) if want_step else out
+    _combine[(triton.cdiv(T, COMBINE_BLOCK) if want_step else 1, B * H)](
+        acc, sums, logits, out, step, H, T, DV, n_splits, 1.0 / group,
+        GROUP=group, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_T=COMBINE_BLOCK, WANT_STEP=want_step,
+    )
+    return out, (step if want_step else None)

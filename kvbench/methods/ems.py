@@ -46,7 +46,7 @@ does not say; so members keep their norms exactly).
   rho_j = ||k_j|| / ||k_c||, so one query attends to the stored slots with slot c weighing
   exp(l_c) + sum_j exp(rho_j l_c) (``kernels.lut_attention``, reading K and V once; the expansion's
   ``CentreMembers``); passes of several queries, and "w. pos", read the view (``kernels.lut_expand``). The
-  members' centre slots are found by position at every pass (``_centre_slots``, a sort of the stored positions).
+  members' centre slots are found by position at every pass (``kernels.centre_slots``, a sort of the stored positions).
 - ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
   with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
@@ -89,7 +89,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score
-from kvbench.kernels.lut_expand import expand_lut
+from kvbench.kernels.lut_expand import centre_slots, expand_lut
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
@@ -165,7 +165,7 @@ class EMS(Method):
         if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
             return None
         position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
-        slot, live = self._centre_slots(kv)
+        slot, live = centre_slots(kv.positions, kv.lengths, centre)
 
         def view() -> tuple[LayerKV, Tensor]:
             member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself
@@ -334,21 +334,6 @@ class EMS(Method):
             row.tables = {name: t[..., :size].contiguous() for name, t in row.tables.items()}
         return row
 
-    @staticmethod
-    def _centre_slots(kv: LayerKV) -> tuple[Tensor, Tensor]:
-        """(B, H, E): the stored slot of every LUT member's centre (found by position), and whether the entry
-        is a member whose centre is stored (False on unused entries)."""
-        centre = kv.tables[LUT_CENTRE]
-        # a binary search in the stored positions (each real position in one slot): O((E + T) log T), where
-        # comparing every entry with every slot would hold an (E x T) mask per head at each step. Positions are
-        # sorted as int32 (token indices fit): a radix sort of half the key bits, half the passes (EMS's decode
-        # step sorts every layer)
-        stored = torch.where(kv.valid(), kv.positions.to(torch.int32), torch.iinfo(torch.int32).max)
-        sorted_positions, order = stored.sort(dim=-1)
-        at = torch.searchsorted(sorted_positions, centre.to(torch.int32).contiguous()).clamp(max=stored.shape[-1] - 1)
-        live = (sorted_positions.gather(-1, at) == centre) & (centre >= 0)
-        return torch.where(live, order.gather(-1, at), 0), live
-
     def _lut(self, kv: LayerKV, target: Tensor, index: Tensor, centres: Tensor, size: int) -> dict[str, Tensor]:
         """The LUT after a compression, ``size`` entries per head: members already in it follow their centre's
         slot to the entry that slot went to, or leave with it (zero class, first-level eviction); slots merged
@@ -359,7 +344,7 @@ class EMS(Method):
         joins = (target >= 0) & (index.gather(-1, target.clamp(min=0)) != slots)
         groups, positions, norms = [torch.where(joins, target, -1)], [kv.positions], [kv.keys.float().norm(dim=-1)]
         if LUT_POSITION in kv.tables:
-            slot, live = self._centre_slots(kv)
+            slot, live = centre_slots(kv.positions, kv.lengths, kv.tables[LUT_CENTRE])
             groups.append(torch.where(live, target.gather(-1, slot), -1))
             positions.append(kv.tables[LUT_POSITION])
             norms.append(kv.tables[LUT_NORM])

@@ -28,6 +28,7 @@ def main() -> None:
     for member_keys in (None, torch.randn(B, H, E, D).bfloat16()):
         triton_lut_expand.expand_lut(keys, values, positions, lengths, slot, live, *table, member_keys)
     triton_lut_expand.fold_entries(torch.rand(B, H, T + E), torch.zeros(B, H, T + E, dtype=torch.long), lengths, T)
+    triton_lut_expand.centre_slots(positions, lengths, table[0])
     for group in (1, 4):  # the members' attention, with and without its step attention
         query = torch.randn(B, H * group, 1, D).bfloat16()
         triton_lut_attention.lut_attention(query, keys, values, lengths, slot, table[1], live, 0.1, group == 4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvbench.kernels.dispatch import use_backend
-from kvbench.kernels.lut_expand import expand_lut, fold_entries
+from kvbench.kernels.lut_expand import centre_slots, expand_lut, fold_entries
 from tests.kernels.conftest import OUTPUT_TOLERANCE, compile_for_sm90
 
 SHAPES = [  # B, H, T, E, D, D_v
@@ -80,6 +80,39 @@ def test_fold_entries_triton_matches_torch(shape, group):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in KVBENCH_KERNEL_TESTS=cuda")
 def test_lut_kernels_compile_for_the_gpu():
-    """Every variant of the expansion, fold and members' attention kernels compiles to sm_90 in a process without
-    TRITON_INTERPRET (``ptx_check_lut.py``)."""
-    assert "13 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
+    """Every variant of the expansion, fold, centre-slot and members' attention kernels compiles to sm_90 in a
+    process without TRITON_INTERPRET (``ptx_check_lut.py``)."""
+    assert "17 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 37, 70), (1, 2, 1500, 2100), (1, 2, 300, 500)], ids=str)
+def test_centre_slots_triton_matches_torch(shape):
+    """Every entry's centre slot and liveness, bit for bit: stored positions in any slot order (unique per row,
+    stale values past a row's length), centres that are stored, stored only past the length, never stored, or
+    unused (-1); positions read through a strided view (a row of a larger storage). The last shape's positions
+    are sparse (multiples of 1024), as a long prompt's are after compression."""
+    B, H, T, E = shape
+    g = torch.Generator().manual_seed(11)
+    storage = torch.stack([torch.randperm(4 * T + 4, generator=g)[:T + 3] for _ in range(B * H)]).view(B, H, T + 3)
+    if T == 300:
+        storage = storage * 1024
+    positions = storage[..., :T]  # strided: every row keeps 3 more slots
+    lengths = torch.randint(0, T + 1, (B, H), generator=g)
+    lengths.view(-1)[0] = T
+    pick = torch.randint(0, T + 3, (B, H, E), generator=g)
+    centre = storage.gather(-1, pick)  # stored before, at or past the length
+    kind = torch.randint(0, 4, (B, H, E), generator=g)
+    centre = torch.where(kind == 0, -1, torch.where(kind == 1, 4 * T + 5 + pick, centre))  # unused; never stored
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = centre_slots(positions, lengths, centre)
+    (slot0, live0), (slot1, live1) = out["torch"], out["triton"]
+    assert slot1.dtype == torch.long and live1.dtype == torch.bool
+    assert torch.equal(live0, live1) and torch.equal(slot0, slot1)
+    stored = torch.arange(T) < lengths.unsqueeze(-1)
+    for b in range(B):
+        for h in range(H):  # the definition: live iff the centre is a real slot's position, and then that slot
+            where = {int(p): s for s, p in enumerate(positions[b, h].tolist()) if stored[b, h, s]}
+            assert live0[b, h].tolist() == [int(c) in where for c in centre[b, h].tolist()]
+            assert slot0[b, h].tolist() == [where.get(int(c), 0) for c in centre[b, h].tolist()]
