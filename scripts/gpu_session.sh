@@ -4,7 +4,7 @@
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
 #   bash $s setup; bash $s tests [pytest paths] (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep; bash $s points --methods A,B ...
-#   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s pack
+#   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s ab OLD_DIR scripts/profile_points.py ARGS; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
 # KVBENCH_KERNEL_TESTS (default cuda) let a machine without a GPU rehearse the steps.
@@ -79,10 +79,21 @@ grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
 points)  # the kernels of a fused sweep's replayed decode step (scripts/profile_points.py arguments follow)
   timeout 420 python3 -m scripts.profile_points "$@" 2>&1 | grep -vE "^(Loading|USDT)" | tee $work/points.md ;;
+ab)     # one script run with an old copy of kvbench, then with this checkout, each a process of its own. OLD_DIR (the
+        # first argument, carried) holds that copy's kvbench/ and conf/ (here: git archive REV kvbench conf | tar -x
+        # -C OLD_DIR); the script runs by its path, since `python3 -m` would import this checkout's kvbench for both
+        # (the profilers print which one they imported); the rest is the script and its arguments
+  old=$1
+  shift
+  for version in old new; do
+    if [ $version = old ]; then path=$site:$PWD/$old:$PWD; else path=$site:$PWD; fi
+    echo "== $version"
+    PYTHONPATH=$path timeout 250 python3 "$@" 2>&1 | grep -vE "^(Loading|USDT)"
+  done ;;
 targets)
   python3 scripts/efficiency_targets.py --root $work/eff --profile gpu --out $work/targets.md ;;
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
-  echo "unknown step '$step'; accepted: setup, tests, kernels-slow, e2e, bench, decode, sweep, prefill, steps, points, grid, targets, pack"; exit 2 ;;
+  echo "unknown step '$step'; accepted: setup, tests, kernels-slow, e2e, bench, decode, sweep, prefill, steps, points, grid, ab, targets, pack"; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -28,6 +29,12 @@ from kvbench.budget import Budget
 from kvbench.engine import Engine
 from kvbench.graphs import DecodeGraph
 from kvbench.hardware import copy_bandwidth, parameter_bytes_read, tpot_bound_seconds
+
+
+def kvbench_source() -> str:
+    """Which ``kvbench`` this process imported: an A/B against an old copy (``gpu_session.sh ab``) prints it, since
+    ``python -m`` puts the working directory, and so this checkout's ``kvbench``, first on ``sys.path``."""
+    return f"kvbench from {Path(models.__file__).resolve().parent}"
 
 
 def configs(model: str, method: str):
@@ -45,6 +52,7 @@ def setup(parser: argparse.ArgumentParser, steps: int, top: int):
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--top", type=int, default=top)
     args = parser.parse_args()
+    print(kvbench_source())
     model_cfg, _ = configs(args.model, "full")
     lm = models.load(model_cfg)
     prompt = torch.randint(0, len(lm.tokenizer), (args.length,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -27,7 +27,7 @@ from kvbench.engine import Engine, _sync
 from kvbench.hardware import copy_bandwidth, parameter_bytes_read, tpot_bound_seconds
 from kvbench.shared_prefill import prefill_points
 from scripts.bench_decode_loop import prompts, ragged
-from scripts.profile_decode import configs, kernel_table
+from scripts.profile_decode import configs, kernel_table, kvbench_source
 
 
 def operator_table(prof, count: int, top: int) -> tuple[list[str], float, float]:
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--alone", action="store_true", help="also each method's points without the others")
     parser.add_argument("--alone-only", action="store_true", help="each method's points alone, not all together")
     args = parser.parse_args()
+    print(kvbench_source())
     model_cfg, _ = configs(args.model, "full")
     lm = models.load(model_cfg)
     bandwidth = copy_bandwidth(lm.model.device)
