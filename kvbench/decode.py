@@ -14,8 +14,9 @@ while the device runs step k+1, so a row that stopped is computed once more and 
 
 A slot that no row waits for keeps stepping harmlessly: a method that compresses while decoding keeps its old
 row at the budget; for the others the row is emptied (it would grow) and emptied again before it could
-outgrow the storage. Storage is allocated for the first row (``Engine.batch_capacities``: budget + decode
-interval, or + max_new_tokens for prompt-only methods, with room where the data decides a layer's size) and
+outgrow the storage. Storage is allocated for the first row, layer by layer as that row is copied into it
+(its own layers released as they go, ``Session.allocate``), at ``Engine.batch_capacities`` (budget + decode
+interval, or + max_new_tokens for prompt-only methods, with room where the data decides a layer's size), and
 grows to what every admitted row needs, which re-captures a replayed step, so ``decode_prompts`` admits the
 longest prompts first. With ``engine.cuda_graphs`` the whole step, every point included, is replayed as one
 CUDA graph (``kvbench.graphs``).
@@ -284,11 +285,16 @@ class DecodeBatch:
             capacities = engine.planned_capacities(row, request.max_new_tokens)
             if point.session is None:
                 storage = engine.batch_capacities(row, request.max_new_tokens)
-                point.session = Session.allocate(row, self.slots, storage)
-                if engine.method.compress_during_decode:  # free slots hold copies: every row alike at its budget
-                    point.session.place(list(range(self.slots)), row, capacities)
+                # free slots of a method that compresses while decoding hold copies: every row alike at its budget
+                first = list(range(self.slots)) if engine.method.compress_during_decode else [slot(r) for r in rows]
+                if row.placed_copies + len(rows) == row.copies:  # its last copies: placed as the storage is made
+                    point.session = Session.allocate(row, self.slots, storage, first)
+                else:
+                    point.session = Session.allocate(row, self.slots, storage)
+                    point.session.place(first, row, capacities)
                 self._drop_runner()
-            point.session.place([slot(r) for r in rows], row, capacities)
+            else:
+                point.session.place([slot(r) for r in rows], row, capacities)
             index = torch.as_tensor(rows, device=self.device)
             first = point.flights[rows[0]].first_token
             self.tokens[index] = first

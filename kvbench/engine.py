@@ -321,36 +321,53 @@ class Session:
     # -- rows in slots --------------------------------------------------------------------------------
 
     @classmethod
-    def allocate(cls, like: "Session", batch: int, capacities: list[int]) -> "Session":
+    def allocate(cls, like: "Session", batch: int, capacities: list[int], first: list[int] | None = None
+                 ) -> "Session":
         """``batch`` empty slots shaped like the prefilled row ``like``, layer l at ``capacities[l]`` slots: the
-        static storage that rows are placed into (``place``)."""
+        static storage that rows are placed into (``place``). ``first``: slots that ``like`` is placed into as each
+        layer is allocated, ``like``'s own layer released once copied (every copy of it is placed here, and
+        ``like`` is not read again), so that the row and the storage never both hold every layer: a full cache's
+        first placement no longer doubles its memory."""
         engine = like.engine
         cache = CompressedCache(engine.num_layers)
+        rows = None if first is None else np.asarray(first)
         for mine, theirs, capacity in zip(cache.layers, like.cache.layers, capacities):
-            mine.allocate(theirs, batch, capacity)
+            mine.allocate(theirs, batch, capacity)  # outside inference mode: steps update the storage in place
+            if rows is not None:
+                with torch.inference_mode():
+                    mine.place(rows, theirs, capacity)
+                theirs.kv = None
         L, H = like.prefill_lengths.shape[0], like.prefill_lengths.shape[2]
-        return cls(engine, cache, next_index=like.next_index.new_zeros(batch),
-                   layer_n_keep=like.layer_n_keep.new_zeros(L, batch),
-                   host_n_keep=np.zeros((L, batch), like.host_n_keep.dtype),
-                   logits=like.logits.new_zeros(batch, like.logits.shape[-1]),
-                   prefill_lengths=like.prefill_lengths.new_zeros(L, batch, H), kv_bytes_full=[0] * batch,
-                   kv_bytes_compressed=[0] * batch, prompt_lengths=[0] * batch, timer=DeviceTimer(engine.device))
+        session = cls(engine, cache, next_index=like.next_index.new_zeros(batch),
+                      layer_n_keep=like.layer_n_keep.new_zeros(L, batch),
+                      host_n_keep=np.zeros((L, batch), like.host_n_keep.dtype),
+                      logits=like.logits.new_zeros(batch, like.logits.shape[-1]),
+                      prefill_lengths=like.prefill_lengths.new_zeros(L, batch, H), kv_bytes_full=[0] * batch,
+                      kv_bytes_compressed=[0] * batch, prompt_lengths=[0] * batch, timer=DeviceTimer(engine.device))
+        if rows is not None:
+            session._place_row(rows, like)
+        return session
 
     def place(self, slots: list[int], row: "Session", capacities: list[int]) -> None:
         """Copy the prefilled one-row session ``row`` into ``slots`` (each gets a copy), in place: storage rows,
         per-row device tensors (a captured decode step keeps reading them) and their host mirrors; layer l's
         storage grows to at least ``capacities[l]`` slots first (what the row needs while it decodes)."""
         rows = np.asarray(slots)
-        index = row_index(rows, self.next_index.device)
-        with torch.inference_mode():  # the logits after a pass are an inference tensor
+        with torch.inference_mode():
             for mine, theirs, capacity in zip(self.cache.layers, row.cache.layers, capacities):
                 mine.place(rows, theirs, capacity)
+        self._place_row(rows, row)
+
+    def _place_row(self, rows: np.ndarray, row: "Session") -> None:
+        """``place``'s per-row tensors and host records of ``row`` in ``rows`` (its layers are placed)."""
+        index = row_index(rows, self.next_index.device)
+        with torch.inference_mode():  # the logits after a pass are an inference tensor
             self.next_index[index] = row.next_index[0]
             self.layer_n_keep[:, index] = row.layer_n_keep[:, :1].to(self.layer_n_keep.dtype)
             self.logits[index] = row.logits[0].to(self.logits.dtype)
         self.host_n_keep[:, rows] = row.host_n_keep[:, :1]
         self.prefill_lengths[:, torch.as_tensor(rows)] = row.prefill_lengths[:, :1]
-        for b in slots:
+        for b in rows.tolist():
             self.kv_bytes_full[b], self.kv_bytes_compressed[b] = row.kv_bytes_full[0], row.kv_bytes_compressed[0]
             self.prompt_lengths[b] = row.prompt_lengths[0]
         self.row_steps[rows] = 0

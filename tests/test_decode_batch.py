@@ -312,3 +312,35 @@ def test_batch_capacities_of_a_method_within_its_budget_are_what_the_row_needs(t
     engine = Engine(tiny_model, build("snapkv"), Budget("fraction", 0.2))
     row = engine.prefill_row(random_prompts([300], tiny_model.config.vocab_size)[0], 6)
     assert engine.batch_capacities(row, 6) == engine.planned_capacities(row, 6)
+
+
+def test_a_first_placement_releases_the_row_layer_by_layer(tiny_model, monkeypatch):
+    """The row that makes a decode batch's storage is placed as each layer is allocated, its own layer released
+    once copied: when a layer's storage is allocated, the row's earlier layers are gone, so the placement never
+    holds the whole row beside the whole storage (a full cache's first placement doubled its memory). The
+    storage rows are the row's."""
+    from kvbench.cache import CompressedLayer
+    from kvbench.engine import Session
+    from kvbench.methods.full import Full
+
+    engine = Engine(tiny_model, Full(), Budget("fraction", 1.0))
+    row = engine.prefill_row(random_prompts([300], tiny_model.config.vocab_size)[0], max_new_tokens=4)
+    before = [(layer.kv.keys[:, :, :layer.longest].clone(), layer.kv.values[:, :, :layer.longest].clone(),
+               layer.kv.positions[:, :, :layer.longest].clone(), layer.longest) for layer in row.cache.layers]
+    held = []  # at each layer's allocation: which of the row's layers it still holds
+    allocate = CompressedLayer.allocate
+
+    def recording(layer, like, batch, capacity):
+        held.append([theirs.kv is not None for theirs in row.cache.layers])
+        return allocate(layer, like, batch, capacity)
+
+    monkeypatch.setattr(CompressedLayer, "allocate", recording)
+    session = Session.allocate(row, 2, engine.batch_capacities(row, 4), first=[0, 1])
+    assert held == [[True, True], [False, True]] and all(layer.kv is None for layer in row.cache.layers)
+    for layer, (keys, values, positions, length) in zip(session.cache.layers, before):
+        for slot in (0, 1):
+            assert torch.equal(layer.kv.keys[slot, :, :length], keys[0])
+            assert torch.equal(layer.kv.values[slot, :, :length], values[0])
+            assert torch.equal(layer.kv.positions[slot, :, :length], positions[0])
+        assert layer.host_lengths.tolist() == [[length] * keys.shape[1]] * 2
+    assert session.next_index.tolist() == row.next_index.tolist() * 2 and session.prompt_lengths == [300, 300]
