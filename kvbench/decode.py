@@ -286,12 +286,12 @@ class DecodeBatch:
             if point.session is None:
                 storage = engine.batch_capacities(row, request.max_new_tokens)
                 # free slots of a method that compresses while decoding hold copies: every row alike at its budget
-                first = list(range(self.slots)) if engine.method.compress_during_decode else [slot(r) for r in rows]
+                copies = list(range(self.slots)) if engine.method.compress_during_decode else [slot(r) for r in rows]
                 if row.placed_copies + len(rows) == row.copies:  # its last copies: placed as the storage is made
-                    point.session = Session.allocate(row, self.slots, storage, first)
+                    point.session = Session.allocate(row, self.slots, storage, copies)
                 else:
                     point.session = Session.allocate(row, self.slots, storage)
-                    point.session.place(first, row, capacities)
+                    point.session.place(copies, row, capacities)
                 self._drop_runner()
             else:
                 point.session.place([slot(r) for r in rows], row, capacities)

@@ -231,9 +231,7 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
     top = torch.empty(B, Hq, **f32)
     acc, sums = torch.empty(B, n_splits, Hq, block_dv, **f32), torch.empty(B, n_splits, Hq, **f32)
     lengths, member_slot = lengths.contiguous(), member_slot.contiguous()
-    live = live.contiguous()
-    if live.dtype == torch.bool:  # read as bytes: a view, no copy
-        live = live.view(torch.int8)
+    live = live.contiguous().view(torch.int8)  # bool read as bytes: a view, no copy
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     members = dict(GROUP=group, BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK)
     maxima = dict(BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_SE=triton.next_power_of_2(n_member_splits))
