@@ -85,3 +85,27 @@ def test_only_a_prompt_pass_over_its_own_keys_is_one():
     padded = valid.clone()
     padded[1, 0, 8] = False
     assert not column_sums.is_prompt_pass(padded, key_pos, query_pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_attention_lse_needs_no_repeated_keys(dtype):
+    """The prompt pass's forward over a GQA group's shared K/V heads gives the bits of the fused op it used to
+    run over the keys repeated to every query head, output and lse; on the CPU also the wrapped sdpa's output."""
+    query, keys, *_ = prompt_case(2, 8, 2, 300, 64, dtype)
+    values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    query, keys, values = (t.to(torch.get_default_device()) for t in (query, keys, values))
+    if query.is_cuda and dtype == torch.float32:
+        pytest.skip("a float32 CUDA prompt runs the Triton forward (test_attention_kernels)")
+    out, lse = column_sums.causal_attention_lse(query, keys, values, 0.3)
+    k, v = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
+    if query.is_cuda:
+        out_rep, lse_rep = torch.ops.aten._scaled_dot_product_cudnn_attention(query, k, v, None, True, 0.0, True,
+                                                                              False, scale=0.3)[:2]
+    else:
+        out_rep, lse_rep = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, True,
+                                                                                      scale=0.3)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=0.3,
+                                                                enable_gqa=True)
+        assert torch.equal(out, sdpa)
+    assert torch.equal(out, out_rep)
+    assert torch.equal(lse, lse_rep.reshape(lse.shape).float())
