@@ -49,7 +49,8 @@ def main() -> None:
                                                                                scale=scale, enable_gqa=True))),
             ("sdpa causal, repeated kv", ms(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True,
                                                                                 scale=scale))),
-            ("causal_attention_lse: cuDNN with lse over the GQA heads", ms(lambda: causal_attention_lse(q, k, v, scale)))]
+            ("causal_attention_lse: cuDNN with lse over the GQA heads",
+             ms(lambda: causal_attention_lse(q, k, v, scale)))]
     try:
         rows.append(("cudnn op with lse (repeated kv)", ms(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, kr, vr, None, True, 0.0, True, False, scale=scale))))
