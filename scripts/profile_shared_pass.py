@@ -9,7 +9,8 @@ torch.profiler.
 Prints the pass's wall, the device's busy time (the union of its kernels' intervals) and idle share, kernels and
 their summed time, the host's time in calls that wait for the device (synchronisations, copies to the host), and
 the kernels (``profile_decode.kernel_table``: by category, then the top ones) and host operators that take most
-of it.
+of it. ``--sync-sites`` instead lists where one pass waits for the device: each synchronising call that torch's
+sync debug mode reports, by the innermost kvbench line that made it (every thread: the pass's and the worker's).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import argparse
 import json
 import tempfile
 import time
+import traceback
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvbench import models
@@ -56,6 +60,33 @@ def timed(engines: list[Engine], prompt: list[int], suffix: list[int], repeats: 
     return f"wall {min(walls):.3f} s (best of {repeats}; mean {sum(walls) / len(walls):.3f} s)"
 
 
+def sync_sites(engines: list[Engine], prompt: list[int], suffix: list[int], top: int) -> str:
+    """One pass under torch's sync debug mode: its synchronising calls counted by the innermost kvbench frame
+    that made them and that frame's kvbench caller (file:line function)."""
+    sites: Counter[str] = Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f"{f.filename.split('/kvbench/')[-1]}:{f.lineno} {f.name}"
+                  for f in traceback.extract_stack()[:-1] if "/kvbench/" in f.filename]
+        sites[" <- ".join(reversed(frames[-2:])) if frames else f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():  # restores the filters and the hook on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rows = prefill_points(engines, prompt, 30, suffix)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        del rows
+    lines = [f"== {sum(sites.values())} synchronising calls in one pass of {len(engines)} points, by site:"]
+    lines += [f"  {n:6d}  {site}" for site, n in sites.most_common(top)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     point_arguments(parser)
@@ -63,6 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suffix", type=int, default=0, help="a suffix of this many tokens (query-agnostic prompts): "
                         "the pass is also timed with every row's suffix fed by a pass of its own")
+    parser.add_argument("--sync-sites", action="store_true", help="list where a pass waits for the device, then stop")
     args = parser.parse_args()
     model_cfg, _ = configs(args.model, "full")
     lm = models.load(model_cfg)
@@ -74,6 +106,9 @@ def main() -> None:
         rows = prefill_points(engines, prompt, 30, suffix)
         del rows
     print(f"== unprofiled: {timed(engines, prompt, suffix, args.repeats)}", flush=True)
+    if args.sync_sites:
+        print(sync_sites(engines, prompt, suffix, args.top))
+        return
     if suffix:
         together = Session.feed_together
         Session.feed_together = staticmethod(lambda sessions, tokens, phase, *rest: [
