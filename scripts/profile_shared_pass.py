@@ -96,6 +96,8 @@ def main() -> None:
                         "the pass is also timed with every row's suffix fed by a pass of its own")
     parser.add_argument("--sync-sites", action="store_true", help="list where a pass waits for the device, then stop")
     args = parser.parse_args()
+    if args.sync_sites and not torch.cuda.is_available():
+        parser.error("--sync-sites counts waits for a CUDA device; none is available")
     model_cfg, _ = configs(args.model, "full")
     lm = models.load(model_cfg)
     device = lm.model.device
