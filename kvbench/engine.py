@@ -46,7 +46,7 @@ from kvbench.cache import CompositeCache, CompressedCache, CompressedLayer, Pass
 from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, LayerKV, host_to_device
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
 
@@ -191,6 +191,13 @@ class Session:
     def __post_init__(self) -> None:
         if self.row_steps is None:
             self.row_steps = np.zeros(self.next_index.shape[0], np.int64)
+
+    def set_layer_budgets(self, budgets: Tensor) -> None:
+        """The rows' (L, B) layer budgets (``Method.layer_budgets``, computed on the host): kept on the host and
+        copied to the device without waiting for the device's queue (a prompt pass's compressions are behind it)."""
+        host = budgets.cpu()
+        self.host_n_keep = host.numpy()
+        self.layer_n_keep = host_to_device(host, self.engine.device)
 
     @property
     def compress_seconds(self) -> float:
@@ -548,7 +555,7 @@ class Engine:
         tokens = torch.tensor([prompt], device=self.device)
         per_layer = not method.budget_needs
         if per_layer:  # budgets from the prompt length alone: known before the pass
-            session.layer_n_keep = self.budgets_before_pass(n_keep, n, max_new_tokens)
+            session.set_layer_budgets(self.budgets_before_pass(n_keep, n, max_new_tokens))
         chunk = self.prefill_chunk_size or n
         observed = [None] * L  # chunked: column sums of every slot over all prompt queries so far, by position
         logits = None
@@ -576,13 +583,13 @@ class Engine:
     def new_row(self, prompt_length: int, timer: DeviceTimer) -> Session:
         """An empty single-row session whose prompt of ``prompt_length`` tokens is about to be prefilled."""
         return Session(self, CompressedCache(self.num_layers),
-                       next_index=torch.tensor([prompt_length], device=self.device), layer_n_keep=None,
+                       next_index=torch.full((1,), prompt_length, device=self.device), layer_n_keep=None,
                        host_n_keep=None, timer=timer)
 
     def budgets_before_pass(self, n_keep: Tensor, prompt_length: int, max_new_tokens: int) -> Tensor:
-        """(L, 1) layer budgets of a method whose budgets need no statistics (known from the length alone)."""
+        """(L, 1) layer budgets (host) of a method whose budgets need no statistics (known from the length alone)."""
         stats = [AttentionStats(num_queries=torch.tensor([prompt_length]))] * self.num_layers
-        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
+        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens)
 
     def compress_prompt_layer(self, session: Session, layer: int, kv: LayerKV, stats: AttentionStats,
                               own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
@@ -597,12 +604,12 @@ class Engine:
                             max_new_tokens: int, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
         """A method whose layer budgets need every layer's statistics (``Method.budget_needs``): the budgets,
         then every layer compressed, after the prompt pass."""
-        session.layer_n_keep = self.budgets_after_pass(n_keep, stats, max_new_tokens)
+        session.set_layer_budgets(self.budgets_after_pass(n_keep, stats, max_new_tokens))
         self.compress_kept_layers(session, stats, own)
 
     def budgets_after_pass(self, n_keep: Tensor, stats: list[AttentionStats], max_new_tokens: int) -> Tensor:
-        """(L, B) layer budgets of a method whose budgets need every layer's statistics ``stats``."""
-        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens).to(self.device)
+        """(L, B) layer budgets (host) of a method whose budgets need every layer's statistics ``stats``."""
+        return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens)
 
     def compress_kept_layers(self, session: Session, stats: list[AttentionStats],
                              own: Callable[[int, LayerKV], LayerKV] | None = None, start: int = 0) -> None:
@@ -618,7 +625,6 @@ class Engine:
         (a suffix of ``suffix_length`` tokens, fed uncompressed by the caller, then decoding). logits: (1, q, V)
         of the pass."""
         cache = session.cache
-        session.host_n_keep = session.layer_n_keep.cpu().numpy()
         session.logits = logits[:, -1]
         session.prefill_lengths = cache.lengths()
         session.kv_bytes_full = [prompt_length * self._token_bytes(cache)]

@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from kvbench.attention import Rope
 
 
+def host_to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device: through pinned memory, asynchronously, on
+    CUDA (a copy from pageable memory first waits for the work queued on the stream)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class LayerKV:
     """One layer's cache.

@@ -90,7 +90,7 @@ class _SharedPass:
         self.deferred = [bool(engine.method.budget_needs) for engine in engines]
         for engine, session, n_keep, later in zip(engines, self.sessions, self.n_keeps, self.deferred):
             if not later:
-                session.layer_n_keep = engine.budgets_before_pass(n_keep, n, max_new_tokens)
+                session.set_layer_budgets(engine.budgets_before_pass(n_keep, n, max_new_tokens))
         groups: dict[str, list[int]] = {}  # points compressed together: one method and hyperparameters
         for i, engine in enumerate(engines):
             groups.setdefault(repr(engine.method), []).append(i)
@@ -180,8 +180,8 @@ class _SharedPass:
         timer = DeviceTimer(engine.device)
         for i in points:
             try:
-                self.sessions[i].layer_n_keep = engine.budgets_after_pass(self.n_keeps[i], self.kept_stats[i],
-                                                                          self.max_new_tokens)
+                self.sessions[i].set_layer_budgets(engine.budgets_after_pass(self.n_keeps[i], self.kept_stats[i],
+                                                                             self.max_new_tokens))
             except Exception as err:  # noqa: BLE001 - its own error; the others go on
                 self.errors[i] = err
         live = [i for i in points if self.errors[i] is None]

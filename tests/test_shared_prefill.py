@@ -154,6 +154,40 @@ def test_on_cuda_the_overlapped_compressions_give_the_rows_in_line():
             assert_same_layer(a, b, f"{engine.method.name} {engine.budget.value} layer {layer}", exact=False)
 
 
+@pytest.mark.parametrize("name", ["pyramidkv", "d2o"])
+def test_a_rows_layer_budgets_on_the_host_are_those_on_the_device(tiny_model, name):
+    """Budgets known before the pass (PyramidKV's) and after it (D2O's), for a row prefilled alone and for every
+    point of a shared pass: the host copy that eviction decides with (``host_n_keep``) is the device's."""
+    engines = [Engine(tiny_model, build(name), Budget("fraction", b)) for b in BUDGETS]
+    prompt = random_prompts([301], tiny_model.config.vocab_size, seed=3)[0]
+    rows = [engines[0].prefill_row(prompt, 6), *prefill_points(engines, prompt, 6, [])]
+    for row in rows:
+        assert not isinstance(row, Exception), row
+        assert (row.host_n_keep == row.layer_n_keep.cpu().numpy()).all()
+        assert len(set(row.host_n_keep[:, 0].tolist())) > 1  # layer-adaptive: not one budget copied everywhere
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["h2o", "pyramidkv"])
+def test_on_cuda_a_new_rows_budgets_reach_the_device_without_a_wait(name):
+    """A prompt pass's row and its layer budgets, computed on the host, are copied to the device without
+    synchronising: a shared pass makes one row per point (the GPU runs, ``scripts/gpu_session.sh tests``)."""
+    from kvbench import models
+    from kvbench.engine import DeviceTimer
+    from tests.conftest import tiny_model_config
+
+    engine = Engine(models.load(tiny_model_config(device="cuda")).model, build(name), Budget("fraction", 0.2))
+    n_keep = engine.budget.n_keep(torch.tensor([301]), 6, engine.method.budget_basis)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        session = engine.new_row(301, DeviceTimer(engine.device))
+        session.set_layer_budgets(engine.budgets_before_pass(n_keep, 301, 6))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (session.host_n_keep == session.layer_n_keep.cpu().numpy()).all()
+    assert int(session.next_index) == 301
+
+
 def test_sets_over_every_query_share_one_column_sum_pass(tiny_model, monkeypatch):
     """H2O's column sums and EMS's column and window sums come from one column-sum pass a layer (its column sums
     do not depend on the window); D2O's per-query-head sums and SnapKV's window alone keep a pass each; every

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvbench.kv import host_to_device
+
 
 @dataclass
 class PlannedStep:
@@ -95,12 +97,10 @@ def plan_steps(lengths: np.ndarray, target: np.ndarray, sinks: int, recent: int,
 
 
 def upload(steps: list[PlannedStep], device: torch.device) -> list[DeviceStep]:
-    """The planned steps on ``device`` in one copy (pinned and asynchronous on CUDA: no wait on the device)."""
+    """The planned steps on ``device`` in one copy (``host_to_device``: no wait on the device)."""
     if not steps:
         return []
     host = torch.from_numpy(np.stack([np.stack([s.start, s.region, s.merges, s.lengths]) for s in steps]))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    planned = host.to(device, non_blocking=True)
+    planned = host_to_device(host, device)
     return [DeviceStep(*tensors.unbind(0), longest_region=int(s.region.max()), longest_row=int(s.lengths.max()),
                        every_edge=s.every_edge) for s, tensors in zip(steps, planned.unbind(0))]
