@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_slots import lower_bound
+
 LOG2E = 1.4426950408889634
 # Under the CPU interpreter, half inputs are cast to float32 after loading (it stores bfloat16 as raw uint16
 # and computes garbage on it); compiled kernels multiply half tiles natively (exact products, float32 sums).
@@ -101,15 +103,7 @@ def _column_sums(
     kpos = tl.load(kpos_ptr + pid_bh * T + cols, mask=cols < T, other=2147483647)  # padding keys: never seen
     # Queries come in position order, so those that precede every key of this tile form a prefix: find its
     # end by binary search and start there (a causal prompt skips about half of the work).
-    first_visible = tl.min(kpos)
-    lo = 0
-    hi = Q
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        before = tl.load(qpos_ptr + b * Q + tl.minimum(mid, Q - 1)) < first_visible
-        lo = tl.where((lo < hi) & before, mid + 1, lo)
-        hi = tl.where((lo < hi) & ~before, mid, hi)
-    start = (lo // BLOCK_M) * BLOCK_M
+    start = (lower_bound(qpos_ptr + b * Q, Q, tl.min(kpos), SEARCH_STEPS) // BLOCK_M) * BLOCK_M
     last_key = tl.max(tl.where(cols < T, kpos, -1))
     col = tl.zeros((BLOCK_N,), tl.float32)
     win = tl.zeros((BLOCK_N,), tl.float32)

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_slots import lower_bound
+
 BLOCK = 32  # entries per program of the expansion
 FOLD_BLOCK = 1024  # entries per program of the fold
 SLOTS_BLOCK = 1024  # slots or table entries per program of ``centre_slots``
@@ -159,16 +161,7 @@ def _centre_lookup(sorted_ptr, order_ptr, centre_ptr, slot_ptr, live_ptr, H, T, 
     j = tile * BLOCK + tl.arange(0, BLOCK)
     inside = j < E
     centre = tl.load(centre_ptr + b * scb + h * sch + j * sce, mask=inside, other=-1)
-    key = centre.to(tl.int32)
-    lo = tl.zeros((BLOCK,), tl.int32)
-    hi = tl.zeros((BLOCK,), tl.int32) + T
-    for _ in range(STEPS):  # the first sorted position >= key (T when there is none)
-        searching = lo < hi
-        mid = (lo + hi) // 2
-        below = tl.load(sorted_ptr + row * T + tl.minimum(mid, T - 1), mask=inside & searching, other=0) < key
-        lo = tl.where(searching & below, mid + 1, lo)
-        hi = tl.where(searching & ~below, mid, hi)
-    at = tl.minimum(lo, T - 1)
+    at = tl.minimum(lower_bound(sorted_ptr + row * T, T, centre.to(tl.int32), STEPS), T - 1)
     found = tl.load(sorted_ptr + row * T + at, mask=inside, other=INT32_MAX)
     live = (found.to(tl.int64) == centre) & (centre >= 0)
     slot = tl.load(order_ptr + row * T + at, mask=inside & live, other=0)

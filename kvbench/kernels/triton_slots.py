@@ -244,6 +244,22 @@ def _fold_move_kernel(best_ptr, oldest_ptr, slot_ptr, len_ptr, k_ptr, v_ptr, pos
 
 
 @triton.jit
+def lower_bound(values_ptr, n, key, STEPS: tl.constexpr):
+    """The first index i of the ascending ``values_ptr[0:n]`` with a value >= ``key`` (n when there is none, as
+    ``torch.searchsorted``): a binary search of ``STEPS`` >= n.bit_length() rounds, for one key or a block of
+    keys (every lane its own search; a lane that has found its index reads nothing more)."""
+    lo = key * 0
+    hi = lo + n
+    for _ in range(STEPS):
+        searching = lo < hi
+        mid = (lo + hi) // 2
+        below = tl.load(values_ptr + tl.minimum(mid, n - 1), mask=searching, other=0) < key
+        lo = tl.where(searching & below, mid + 1, lo)
+        hi = tl.where(searching & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
 def newest_of_blocks(newest_ptr, row, NB, BLOCK_NB: tl.constexpr):
     """One row's newest position: the newest of its blocks' (``newest_by_blocks``)."""
     b = tl.arange(0, BLOCK_NB)
