@@ -177,15 +177,6 @@ def _weighted_values(
 
 
 @triton.jit
-def _split_sum(sum_ptr, b, h, H, n_splits, heads, GROUP: tl.constexpr):
-    """The query heads' sum_c W_c over their key splits, added in split order (0 where a head is past GROUP)."""
-    total = tl.zeros_like(heads).to(tl.float32)
-    for split in range(n_splits):
-        total += tl.load(sum_ptr + ((b * n_splits + split) * H + h) * GROUP + heads, mask=heads < GROUP, other=0.0)
-    return tl.maximum(total, 1e-30)  # >= 1 on a row with a real slot
-
-
-@triton.jit
 def _combine(
     acc_ptr, sum_ptr, weight_ptr, out_ptr, step_ptr, H, T, DV, n_splits, factor,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -193,14 +184,17 @@ def _combine(
 ):
     block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = row // H, row % H
+    heads = tl.arange(0, BLOCK_M)
+    total = tl.zeros((BLOCK_M,), tl.float32)  # each query head's sum_c W_c over its key splits, in split order
+    for split in range(n_splits):
+        total += tl.load(sum_ptr + ((b * n_splits + split) * H + h) * GROUP + heads, mask=heads < GROUP, other=0.0)
+    total = tl.maximum(total, 1e-30)  # >= 1 on a row with a real slot
     if block == 0:  # the output of the group's query heads
-        heads = tl.arange(0, BLOCK_M)
         dv = tl.arange(0, BLOCK_DV)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         for split in range(n_splits):
             part = ((b * n_splits + split) * H + h) * GROUP + heads
             acc += tl.load(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], mask=(heads < GROUP)[:, None], other=0.0)
-        total = _split_sum(sum_ptr, b, h, H, n_splits, heads, GROUP)
         tl.store(out_ptr + (row * GROUP + heads[:, None]) * DV + dv[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty),
                  mask=(heads < GROUP)[:, None] & (dv < DV)[None, :])
@@ -208,8 +202,8 @@ def _combine(
         cols = block * BLOCK_T + tl.arange(0, BLOCK_T)
         step = tl.zeros((BLOCK_T,), tl.float32)
         for g in tl.static_range(GROUP):
-            total = _split_sum(sum_ptr, b, h, H, n_splits, tl.full((1,), g, tl.int32), GROUP)
-            step += tl.load(weight_ptr + (row * GROUP + g) * T + cols, mask=cols < T, other=0.0) / total
+            head_total = tl.sum(tl.where(heads == g, total, 0.0))  # head g's entry, exactly
+            step += tl.load(weight_ptr + (row * GROUP + g) * T + cols, mask=cols < T, other=0.0) / head_total
         tl.store(step_ptr + row * T + cols, step * factor, mask=cols < T)
 
 
