@@ -39,7 +39,6 @@ def causal_attention_lse(query: Tensor, keys: Tensor, values: Tensor, scaling: f
     FlashAttention's op, the fallback, gets them repeated.
     """
     B, Hq, Q, _ = query.shape
-    group = Hq // keys.shape[1]
     if query.is_cuda and query.dtype == torch.float32:
         pos = torch.arange(Q, device=query.device).expand(B, Q)
         key_pos = pos.unsqueeze(1).expand(-1, keys.shape[1], -1)
@@ -52,6 +51,7 @@ def causal_attention_lse(query: Tensor, keys: Tensor, values: Tensor, scaling: f
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(query, keys, values, None, True, 0.0, True,
                                                                         False, scale=scaling)[:2]
     except RuntimeError:  # no cuDNN attention for these inputs or this GPU
+        group = Hq // keys.shape[1]
         k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
         v = values.repeat_interleave(group, dim=1) if group > 1 else values
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, k, v, 0.0, True, False,
