@@ -80,9 +80,10 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def adopt(self, kv: LayerKV, host_lengths: np.ndarray | None = None) -> None:
-        """Install ``kv`` as this layer's storage; ``host_lengths`` if the caller knows them (else one read)."""
+        """Install ``kv`` as this layer's storage; ``host_lengths`` if the caller knows them (else one read). The
+        mirror is a copy of its own (writes update it in place)."""
         self.kv = kv
-        self._mirror(kv.lengths.cpu().numpy().copy() if host_lengths is None else host_lengths)
+        self._mirror((kv.lengths.cpu().numpy() if host_lengths is None else host_lengths).astype(np.int64))
         self.ordered = True
         self.storage_version += 1
 
@@ -225,7 +226,7 @@ class CompressedCache(Cache):
 
     def set_kv(self, layer_idx: int, kv: LayerKV, host_lengths: np.ndarray | None = None) -> None:
         """Install a method's compressed cache (a functional ``compress`` result) as the layer's storage;
-        ``host_lengths`` if the caller read them already."""
+        ``host_lengths`` if the caller knows them already (read back, or ``Method.kept_lengths``)."""
         self.layers[layer_idx].adopt(kv, host_lengths)
 
     def lengths(self) -> Tensor:

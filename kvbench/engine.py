@@ -46,7 +46,7 @@ from kvbench.cache import CompositeCache, CompressedCache, CompressedLayer, Pass
 from kvbench.compile import compile_enabled, compiled_decode, compiled_function, prepare_compiled_calls
 from kvbench.errors import ConfigError
 from kvbench.hf_compat import cache_keyword
-from kvbench.kv import AttentionStats, LayerKV, host_to_device
+from kvbench.kv import AttentionStats, HostSizes, LayerKV, host_to_device
 from kvbench.memory import PeakMemory
 from kvbench.methods.base import Method
 
@@ -565,7 +565,7 @@ class Engine:
 
             def compress_layer(layer: int) -> None:
                 stats = self._prompt_stats(cache, layer, observed, stop, start > 0)
-                self.compress_prompt_layer(session, layer, cache.kv(layer), stats)
+                self.compress_prompt_layer(session, layer, cache.kv(layer), cache.layers[layer].host_lengths, stats)
                 cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
 
             plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
@@ -591,14 +591,17 @@ class Engine:
         stats = [AttentionStats(num_queries=torch.tensor([prompt_length]))] * self.num_layers
         return self.method.layer_budgets(n_keep, self.num_layers, stats, max_new_tokens)
 
-    def compress_prompt_layer(self, session: Session, layer: int, kv: LayerKV, stats: AttentionStats,
-                              own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
-        """Compress a prompt layer ``kv`` into the row's cache (timed as prefill compression). ``own(layer, kv)``
-        makes the result the row's own storage where the method returned shared tensors (a prompt pass shared by
-        several rows, ``kvbench.shared_prefill``)."""
+    def compress_prompt_layer(self, session: Session, layer: int, kv: LayerKV, host_lengths: np.ndarray,
+                              stats: AttentionStats, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
+        """Compress a prompt layer ``kv`` (its lengths on the host: ``host_lengths``) into the row's cache (timed as
+        prefill compression), reading nothing back where the method's sizes follow from the host's
+        (``Method.kept_lengths``). ``own(layer, kv)`` makes the result the row's own storage where the method
+        returned shared tensors (a prompt pass shared by several rows, ``kvbench.shared_prefill``)."""
+        host = HostSizes(n_keep=session.host_n_keep[layer], lengths=host_lengths)
         with session.timer.section("compress"):
-            compressed = self.method.compress(layer, kv, stats, session.layer_n_keep[layer], "prefill")
-            session.cache.set_kv(layer, compressed if own is None else own(layer, compressed))
+            compressed = self.method.compress(layer, kv, stats, session.layer_n_keep[layer], "prefill", host)
+            session.cache.set_kv(layer, compressed if own is None else own(layer, compressed),
+                                 self.method.kept_lengths(layer, host))
 
     def compress_after_pass(self, session: Session, n_keep: Tensor, stats: list[AttentionStats],
                             max_new_tokens: int, own: Callable[[int, LayerKV], LayerKV] | None = None) -> None:
@@ -616,7 +619,8 @@ class Engine:
         """Layers ``start`` on of a row that kept its uncompressed layers through the pass, compressed at its
         layer budgets, each with its statistics ``stats[layer]``, which are then dropped."""
         for layer in range(start, self.num_layers):
-            self.compress_prompt_layer(session, layer, session.cache.kv(layer), stats[layer], own)
+            stored = session.cache.layers[layer]
+            self.compress_prompt_layer(session, layer, stored.kv, stored.host_lengths, stats[layer], own)
             session.cache.pass_stats[layer] = AttentionStats()
 
     def finish_row(self, session: Session, prompt_length: int, logits: Tensor, suffix_length: int,

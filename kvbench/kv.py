@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,6 +32,28 @@ def host_to_device(host: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class HostSizes:
+    """What the host knows of a ``compress`` call's sizes before the call: with it, the call shapes its kernels
+    without reading a size back from the device. A read waits for all the work queued before it, and a fused
+    sweep's prompt pass compresses every layer of a dozen points while the device runs the next layers.
+
+    n_keep:  (B,) int64, each batch row's budget (the call's ``n_keep``, as the host holds it).
+    lengths: (B, H) int64, the input rows' lengths (the call's ``kv.lengths``).
+    """
+
+    n_keep: np.ndarray
+    lengths: np.ndarray
+
+    def kept(self) -> np.ndarray:
+        """(B, H) ``min(budget, length)``: what each head keeps at a method that keeps its budget."""
+        return np.minimum(self.n_keep[:, None], self.lengths)
+
+    def most_kept(self) -> list[int]:
+        """Per batch row, its longest head after a compression to ``kept`` (``keep_topk``'s ``row_sizes``)."""
+        return self.kept().max(-1).tolist()
 
 
 @dataclass

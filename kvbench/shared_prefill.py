@@ -34,11 +34,12 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvbench.cache import CompressedCache, PassPlan
 from kvbench.engine import DeviceTimer, Engine, Session, _sync
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.overlap import LayerWorker
 
 log = logging.getLogger("kvbench")
@@ -120,56 +121,63 @@ class _SharedPass:
 
     def compress_groups(self, layer: int, kv: LayerKV, stats: list[AttentionStats]) -> None:
         """Every group's points compressed from the pass's layer ``layer``: together where they can, else alone."""
+        host_lengths = self.cache.layers[layer].host_lengths  # the pass's mirror: it writes a layer once
         for group in self.groups:
             live = [i for i in group if self.errors[i] is None]
             if len(live) > 1 and not self.deferred[live[0]] and id(group) not in self.apart:
                 try:
-                    self._compress_together(live, layer, kv, stats)
+                    self._compress_together(live, layer, kv, host_lengths, stats)
                     continue
                 except Exception as err:  # noqa: BLE001 - one by one below: each point gets its own row or error
                     self.apart.add(id(group))
                     log.info("%s: %d points compress one by one from layer %d on (together: %r)",
                              self.engines[live[0]].method.name, len(live), layer, err)
             for i in live:
-                self._compress_alone(i, layer, kv, stats)
+                self._compress_alone(i, layer, kv, host_lengths, stats)
 
-    def _compress_alone(self, i: int, layer: int, kv: LayerKV, stats: list) -> None:
+    def _compress_alone(self, i: int, layer: int, kv: LayerKV, host_lengths: np.ndarray, stats: list) -> None:
         engine, session = self.engines[i], self.sessions[i]
         fork = LayerKV(keys=kv.keys, values=kv.values, positions=kv.positions, lengths=kv.lengths)
         own_stats = dataclasses.replace(stats[self.stat_sets.index(self.requests[i])])
         try:
             own_stats = engine.with_raw_keys(fork, own_stats, engine.method.needs)
             if self.deferred[i]:
-                session.cache.set_kv(layer, fork)
+                session.cache.set_kv(layer, fork, host_lengths)
                 self.kept_stats[i][layer] = own_stats
             else:
-                engine.compress_prompt_layer(session, layer, fork, own_stats, own=self.private)
+                engine.compress_prompt_layer(session, layer, fork, host_lengths, own_stats, own=self.private)
         except Exception as err:  # noqa: BLE001 - one point's failure leaves the others' rows intact
             self.errors[i] = err
 
-    def _compress_together(self, points: list[int], layer: int, kv: LayerKV, stats: list) -> None:
+    def _compress_together(self, points: list[int], layer: int, kv: LayerKV, host_lengths: np.ndarray,
+                           stats: list) -> None:
         """One ``compress`` call for ``points`` (one method, several budgets) after the pass's layer ``layer``."""
         engine = self.engines[points[0]]
         own_stats = engine.with_raw_keys(kv, dataclasses.replace(stats[self.stat_sets.index(self.requests[
             points[0]])]), engine.method.needs)  # raw keys once, for all rows
-        self._adopt_together(points, layer, kv, own_stats, self.together.setdefault(tuple(points),
-                                                                                    DeviceTimer(engine.device)))
+        self._adopt_together(points, layer, kv, host_lengths, own_stats,
+                             self.together.setdefault(tuple(points), DeviceTimer(engine.device)))
 
-    def _adopt_together(self, points: list[int], layer: int, kv: LayerKV, stats: AttentionStats,
-                        timer: DeviceTimer) -> None:
-        """The layer ``kv`` broadcast to a row per point, each row's budget its point's, compressed in one call;
-        every point adopts its row (views of the call's result), the lengths read back once for all of them."""
+    def _adopt_together(self, points: list[int], layer: int, kv: LayerKV, host_lengths: np.ndarray,
+                        stats: AttentionStats, timer: DeviceTimer) -> None:
+        """The layer ``kv`` (one row; its lengths on the host: ``host_lengths``) broadcast to a row per point, each
+        row's budget its point's, compressed in one call; every point adopts its row (views of the call's result).
+        The rows' lengths come from the host's sizes (``Method.kept_lengths``), or are read back once for all."""
         engine, k = self.engines[points[0]], len(points)
         rows = LayerKV(keys=kv.keys.expand(k, -1, -1, -1), values=kv.values.expand(k, -1, -1, -1),
                        positions=kv.positions.expand(k, -1, -1), lengths=kv.lengths.expand(k, -1))
         n_keep = torch.cat([self.sessions[i].layer_n_keep[layer] for i in points])
+        host = HostSizes(n_keep=np.concatenate([self.sessions[i].host_n_keep[layer] for i in points]),
+                         lengths=np.broadcast_to(host_lengths, (k, host_lengths.shape[1])))
         with timer.section("compress"):
-            compressed = engine.method.compress(layer, rows, stats.broadcast(k), n_keep, "prefill")
-            lengths = compressed.lengths.cpu().numpy()
-            own = [self.private(layer, engine.method.batch_row(compressed, b, max(1, int(lengths[b].max())), rows,
-                                                               n_keep)) for b in range(k)]
+            compressed = engine.method.compress(layer, rows, stats.broadcast(k), n_keep, "prefill", host)
+            lengths = engine.method.kept_lengths(layer, host)
+            if lengths is None:
+                lengths = compressed.lengths.cpu().numpy()
+            own = [self.private(layer, engine.method.batch_row(compressed, b, max(1, int(lengths[b].max())), host))
+                   for b in range(k)]
             for b, (i, row) in enumerate(zip(points, own)):  # all or none of the points take their row
-                self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1].copy())
+                self.sessions[i].cache.set_kv(layer, row, lengths[b:b + 1])
 
     def _compress_after_pass_together(self, points: list[int]) -> list[int]:
         """The deferred points of one method (``Method.budget_needs``, several budgets) after the pass: each
@@ -189,8 +197,8 @@ class _SharedPass:
             return []
         for layer in range(engine.num_layers):
             try:
-                self._adopt_together(live, layer, self.sessions[live[0]].cache.kv(layer),
-                                     self.kept_stats[live[0]][layer], timer)
+                kept = self.sessions[live[0]].cache.layers[layer]
+                self._adopt_together(live, layer, kept.kv, kept.host_lengths, self.kept_stats[live[0]][layer], timer)
                 for i in live:
                     self.sessions[i].cache.pass_stats[layer] = AttentionStats()
             except Exception as err:  # noqa: BLE001 - one by one below: each point gets its own row or error

@@ -25,7 +25,7 @@ class KeepEveryOther(Method):
     name: ClassVar[str] = "every_other"
     phases: ClassVar[frozenset[str]] = frozenset({"prefill"})
 
-    def compress(self, layer, kv, stats, n_keep, phase):
+    def compress(self, layer, kv, stats, n_keep, phase, host=None):
         B, H, T = kv.positions.shape
         slots = torch.arange(T)
         rows, lens = [], torch.zeros(B, H, dtype=torch.long)
@@ -47,7 +47,7 @@ class LastN(Method):
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
     compress_during_decode: bool = True
 
-    def compress(self, layer, kv, stats, n_keep, phase):
+    def compress(self, layer, kv, stats, n_keep, phase, host=None):
         scores = kv.positions.float()
         index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths)
         return kv.gather(index, lengths)
@@ -230,7 +230,7 @@ class DuplicateFirstHalf(Method):
     name: ClassVar[str] = "pairs"
     with_bias: bool = True
 
-    def compress(self, layer, kv, stats, n_keep, phase):
+    def compress(self, layer, kv, stats, n_keep, phase, host=None):
         T = kv.max_length
         index = torch.arange(0, T, 2).expand(*kv.lengths.shape, -1)
         out = kv.gather(index, torch.full_like(kv.lengths, index.shape[-1]))

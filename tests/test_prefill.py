@@ -29,11 +29,11 @@ class RecordingH2O(H2O):
     name: ClassVar[str] = "recording_h2o"
     seen: list = field(default_factory=list)
 
-    def compress(self, layer, kv, stats, n_keep, phase):
+    def compress(self, layer, kv, stats, n_keep, phase, host=None):
         if layer == 0 and phase == "prefill":
             n = int(kv.lengths[0, 0])
             self.seen.append((kv.positions[0, :, :n].clone(), stats.column_sums[0, :, :n].clone()))
-        return super().compress(layer, kv, stats, n_keep, phase)
+        return super().compress(layer, kv, stats, n_keep, phase, host)
 
 
 def cache_capacities_at_each_layer(engine: Engine, tokens: list[int], monkeypatch) -> list[list[int | None]]:

@@ -60,10 +60,10 @@ def test_a_call_together_that_raises_leaves_each_point_its_own_row_or_error(tiny
     method = build("h2o")
     compress = type(method).compress
 
-    def picky(self, layer, kv, stats, n_keep, phase):
+    def picky(self, layer, kv, stats, n_keep, phase, host=None):
         if (n_keep == 12).any():
             raise ValueError("n_keep 12 rejected")
-        return compress(self, layer, kv, stats, n_keep, phase)
+        return compress(self, layer, kv, stats, n_keep, phase, host)
 
     monkeypatch.setattr(type(method), "compress", picky)
     engines = [Engine(tiny_model, build("h2o"), Budget("tokens", n)) for n in (8, 12, 20)]
@@ -85,10 +85,10 @@ def test_deferred_points_whose_call_together_raises_go_on_one_by_one_from_that_l
     method = build("d2o")
     compress = type(method).compress
 
-    def together_fails_at_layer_1(self, layer, kv, stats, n_keep, phase):
+    def together_fails_at_layer_1(self, layer, kv, stats, n_keep, phase, host=None):
         if layer == 1 and kv.keys.shape[0] > 1:
             raise RuntimeError("layer 1 together")
-        return compress(self, layer, kv, stats, n_keep, phase)
+        return compress(self, layer, kv, stats, n_keep, phase, host)
 
     monkeypatch.setattr(type(method), "compress", together_fails_at_layer_1)
     engines = [Engine(tiny_model, build("d2o"), Budget("fraction", b)) for b in BUDGETS]

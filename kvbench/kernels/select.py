@@ -52,7 +52,8 @@ def heavy_split(keep: Tensor, heavy_ratio: float, sinks: int) -> tuple[Tensor, T
 
 
 def keep_topk(
-    scores: Tensor, n_keep: Tensor, lengths: Tensor, sinks: int | Tensor = 0, recent: int | Tensor = 0
+    scores: Tensor, n_keep: Tensor, lengths: Tensor, sinks: int | Tensor = 0, recent: int | Tensor = 0,
+    row_sizes: list[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pick which slots each row keeps.
 
@@ -61,6 +62,8 @@ def keep_topk(
     sinks, recent: protected slot counts, one int for every row or a (B, H, 1) long tensor of per-row counts.
     Protected slots (sinks, recent) are kept first; the rest of the budget goes to the highest scores.
     If the protected slots alone exceed ``n_keep`` the most recent of them win, then the sinks.
+    row_sizes: per batch row, ``max(min(n_keep, lengths))`` over its heads where the host knows it
+    (``HostSizes.most_kept``); None reads it back from the device.
 
     Returns (index, new_lengths): index (B, H, K) of kept slots in original order, padded with the
     row's last kept slot past ``new_lengths``; K = max(new_lengths).
@@ -77,7 +80,10 @@ def keep_topk(
     prio = torch.where(sink_mask, torch.full_like(prio, big), prio)
     prio = torch.where(recent_mask, torch.full_like(prio, 2 * big) + slots.float(), prio)
     prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
-    row_k = n_keep.amax(-1).tolist() if n_keep.numel() else []  # the one read back from the device
+    if row_sizes is not None:
+        row_k = row_sizes
+    else:
+        row_k = n_keep.amax(-1).tolist() if n_keep.numel() else []  # the one read back from the device
     k = max(row_k, default=0)
     top = prio.topk(k, dim=-1).indices if k > 0 else prio.new_zeros((B, H, 0), dtype=torch.long)
     for b, size in enumerate(row_k):

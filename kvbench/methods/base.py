@@ -9,7 +9,9 @@ Capabilities are class data, read by the engine: ``needs`` (statistics the engin
 ``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
 ``budget_basis`` (what a fractional budget is a fraction of), ``budget_needs`` (statistics
 ``layer_budgets`` reads: such a method cannot compress a layer before every layer has run),
-``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``unrotates_in_place``
+``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``keeps_exact_budget`` (a
+prompt compression keeps exactly ``min(n_keep, length)`` slots a head, so the engine knows the result's lengths
+without reading them back: ``kept_lengths``), ``unrotates_in_place``
 (``evict_one`` of a method that needs ``raw_keys`` takes them off the stored keys itself, from ``stats.rope``,
 instead of reading ``stats.raw_keys``: the engine then un-RoPEs no copy of the cache), ``expands_slots``
 (attention reads ``expand``'s entries instead of the stored slots; a property, since it may depend on the
@@ -23,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kv import STAT_NAMES, AttentionStats, Expansion, LayerKV
+from kvbench.kv import STAT_NAMES, AttentionStats, Expansion, HostSizes, LayerKV
 
 PHASES = frozenset({"prefill", "decode"})
 BUDGET_BASES = ("prompt", "prompt_plus_generation")
@@ -49,6 +52,7 @@ class Method:
     budget_needs: ClassVar[frozenset[str]] = frozenset()
     evicts_in_place: ClassVar[bool] = False
     unrotates_in_place: ClassVar[bool] = False
+    keeps_exact_budget: ClassVar[bool] = False
 
     compress_during_decode: bool = False
     decode_interval: int = 1
@@ -106,18 +110,28 @@ class Method:
 
     # -- what the method implements ------------------------------------------------------------------
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         """Return the compressed cache of one layer. ``n_keep``: (B,) target slots per head for each sample.
 
         ``phase`` is "prefill" or "decode". The returned rows must not exceed ``n_keep`` unless the method's
         documented budget rule says otherwise (KVMerger's threshold-driven merging, protected heads).
+        ``host``: the sizes ``n_keep`` and ``kv.lengths`` as the host knows them, where the caller does (the
+        engine's prompt compressions): a method sizes its kernels from them instead of reading sizes back from
+        the device. The result is the same with or without them.
         """
         raise NotImplementedError
 
-    def batch_row(self, out: LayerKV, b: int, capacity: int, kv: LayerKV, n_keep: Tensor) -> LayerKV:
+    def kept_lengths(self, layer: int, host: HostSizes) -> np.ndarray | None:
+        """(B, H) the row lengths ``compress(layer, kv, stats, n_keep, "prefill", host)`` returns, known on the host
+        from the sizes alone (no read back), or None where the data decide them (the engine then reads them).
+        ``min(budget, length)`` where the method ``keeps_exact_budget``; a method with another rule overrides."""
+        return host.kept() if self.keeps_exact_budget else None
+
+    def batch_row(self, out: LayerKV, b: int, capacity: int, host: HostSizes) -> LayerKV:
         """Row ``b``, in its first ``capacity`` slots (views), of ``out = compress(layer, kv, stats, n_keep,
-        "prefill")`` over several rows: what ``compress`` of that row alone gives. A method whose tables one call
-        sizes for the call's largest budget cuts them to the row's own."""
+        "prefill", host)`` over several rows: what ``compress`` of that row alone gives. A method whose tables one
+        call sizes for the call's largest budget cuts them to the row's own."""
         return out.row(b, capacity)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:

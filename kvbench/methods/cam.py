@@ -62,7 +62,7 @@ from kvbench.kernels.cam_step import cam_step, draw_key, merge_probability, unif
 from kvbench.kernels.cascade import banded_cascade
 from kvbench.kernels.dispatch import use_triton
 from kvbench.kernels.select import heavy_split, keep_topk, sinks_and_recent
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
 
@@ -77,6 +77,7 @@ class CaM(Method):
     seed: Bernoulli mask seed. deterministic: use the merge probability itself instead of a sampled mask."""
 
     name: ClassVar[str] = "cam"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -102,12 +103,13 @@ class CaM(Method):
         """Accumulate the newest query's attention."""
         kv.accumulate(ATTENTION, stats.step_attention)
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         if phase == "prefill":
             kv.state[ATTENTION] = stats.column_sums.float().clone()
         attention = kv.state[ATTENTION]  # (B, H, T)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        index, lengths = self._select(attention, keep, kv.lengths)
+        index, lengths = self._select(attention, keep, kv.lengths, host and host.most_kept())
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept
@@ -127,13 +129,15 @@ class CaM(Method):
                  self.sinks, None if self.eviction == "streamingllm" else self.heavy_ratio, self.merge_tokens,
                  None if self.deterministic else draw_key(self.seed, layer))
 
-    def _select(self, attention: Tensor, keep: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    def _select(self, attention: Tensor, keep: Tensor, lengths: Tensor,
+                row_sizes: list[int] | None = None) -> tuple[Tensor, Tensor]:
         """The preliminary eviction: (index (B, H, K), new lengths (B, H)) as ``keep_topk`` returns them."""
         if self.eviction == "streamingllm":
             sinks, recent = sinks_and_recent(keep, self.sinks)
-            return keep_topk(torch.zeros_like(attention), keep, lengths, sinks=sinks, recent=recent)
+            return keep_topk(torch.zeros_like(attention), keep, lengths, sinks=sinks, recent=recent,
+                             row_sizes=row_sizes)
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
-        return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent)
+        return keep_topk(attention, keep, lengths, sinks=sinks, recent=recent, row_sizes=row_sizes)
 
     def _shares(self, layer: int, kv: LayerKV, attention: Tensor, evicted: Tensor) -> Tensor:
         """(B, H, T) m_e / n of the evicted slots of a position-ordered cache, 0 elsewhere (one launch with the

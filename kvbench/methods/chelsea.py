@@ -64,7 +64,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.kernels.partner_merge import merge_into_partners
 from kvbench.kernels.select import topk_mask
-from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LOGIT_BIAS, LayerKV
 from kvbench.methods.base import Method
 from kvbench.methods.chelsea_schedule import DeviceStep, plan_step, plan_steps, upload
 
@@ -129,10 +129,15 @@ class Chelsea(Method):
         normal = torch.div(total * n_keep - n_out * full_cache, total - n_out, rounding_mode="floor")
         return torch.minimum(normal.clamp(min=1), n_keep).unsqueeze(0).expand(num_layers, -1).clone()
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         if MERGED not in kv.state:
             kv.state[MERGED] = torch.zeros(kv.positions.shape, device=kv.keys.device)
-        lengths, target = self.lengths_and_target(layer, kv, n_keep)  # the one read-back of the call
+        if host is None:  # the one read-back of the call
+            H = kv.lengths.shape[1]
+            sizes = torch.cat([kv.lengths, n_keep.to(kv.lengths).view(-1, 1)], 1).cpu().numpy()
+            host = HostSizes(n_keep=sizes[:, H], lengths=sizes[:, :H])
+        lengths, target = host.lengths, self.target(layer, host)
         for step in upload(plan_steps(lengths, target, self.sinks, self.recent, self.chunk_size, self.ratio),
                            kv.keys.device):
             kv = self.run_step(kv, step)
@@ -140,13 +145,13 @@ class Chelsea(Method):
             kv.state[LOGIT_BIAS] = torch.log1p(kv.state[MERGED].float())
         return kv
 
-    def lengths_and_target(self, layer: int, kv: LayerKV, n_keep: Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Host (B, H) row lengths and per-row targets: the budget ``n_keep`` (B,), or the length on outlier
-        heads (they stay full); read back in one copy."""
-        H = kv.lengths.shape[1]
-        host = torch.cat([kv.lengths, n_keep.to(kv.lengths).view(-1, 1)], 1).cpu().numpy()
-        lengths = host[:, :H]
-        return lengths, np.where(self.outlier_rows(layer, H), lengths, host[:, H:])
+    def kept_lengths(self, layer: int, host: HostSizes) -> np.ndarray:
+        """Every row merged down to its target (``plan_step`` never merges a row past it)."""
+        return np.minimum(host.lengths, self.target(layer, host))
+
+    def target(self, layer: int, host: HostSizes) -> np.ndarray:
+        """Host (B, H) per-row targets: the budget, or the length on outlier heads (they stay full)."""
+        return np.where(self.outlier_rows(layer, host.lengths.shape[1]), host.lengths, host.n_keep[:, None])
 
     def outlier_rows(self, layer: int, heads: int) -> np.ndarray:
         """(heads,) bool: KV heads of this layer that keep a full cache."""

@@ -67,7 +67,7 @@ from kvbench.kernels.d2o_step import d2o_step, ema_threshold, merge_terms, prote
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.select import keep_topk
 from kvbench.kernels.similarity import best_match_cosine
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 from kvbench.methods.base import check_count
 
@@ -86,6 +86,7 @@ class D2O(Method):
     threshold_scope, merge_rule: see the module docstring."""
 
     name: ClassVar[str] = "d2o"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "query_column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -169,13 +170,14 @@ class D2O(Method):
         """H2O accumulation of the newest query's attention."""
         kv.accumulate(ATTENTION, stats.step_attention)
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         if phase == "prefill":
             kv.state[ATTENTION] = stats.column_sums.float().clone()
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         sinks, recent = self._protected(keep)
-        index, lengths = keep_topk(kv.state[ATTENTION], keep, kv.lengths,
-                                   sinks=sinks.unsqueeze(-1), recent=recent.unsqueeze(-1))
+        index, lengths = keep_topk(kv.state[ATTENTION], keep, kv.lengths, sinks=sinks.unsqueeze(-1),
+                                   recent=recent.unsqueeze(-1), row_sizes=host and host.most_kept())
         valid = kv.valid()
         kept = torch.zeros_like(valid).scatter_(2, index, True) & valid
         evicted = valid & ~kept

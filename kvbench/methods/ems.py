@@ -84,6 +84,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -95,7 +96,7 @@ from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
 from kvbench.kernels.similarity import unit_keys
-from kvbench.kv import LOGIT_BIAS, AttentionStats, CentreMembers, Expansion, LayerKV
+from kvbench.kv import AttentionStats, CentreMembers, Expansion, HostSizes, LOGIT_BIAS, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
@@ -116,6 +117,7 @@ class EMS(Method):
     multiplicity_bias: with expansion=bias, add log(member count) to a merged entry's attention logit [I]."""
 
     name: ClassVar[str] = "ems"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums", "window_column_sums", "raw_keys"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention", "raw_keys"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -179,7 +181,8 @@ class EMS(Method):
 
         return Expansion(view, CentreMembers(slot, norm, live) if self.positions == "without" else None)
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         valid = kv.valid()
         if phase == "prefill":
             kv = replace(kv, state=self._prefill_state(kv, stats))
@@ -188,7 +191,8 @@ class EMS(Method):
             s_loc = kv.state["s_loc_past"] + kv.state["s_loc_cur"]
             score = global_local_score(kv.state["s_glo"], s_loc, valid)
         raw_keys = stats.raw_keys
-        return self._evict_then_merge(kv, raw_keys, score, per_sample_n_keep(n_keep, kv), int(n_keep.max()))
+        budget = int(n_keep.max()) if host is None else int(host.n_keep.max())
+        return self._evict_then_merge(kv, raw_keys, score, per_sample_n_keep(n_keep, kv), budget, host)
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into s_Glo and s_Loc^cur; roll the local window every
@@ -226,11 +230,13 @@ class EMS(Method):
         neighbours = pool1d(valid.float(), self.kernel_size, "mean").clamp(min=1e-30)
         return pool1d(score, self.kernel_size, "mean") / neighbours * valid
 
-    def _partition(self, score: Tensor, valid: Tensor, lengths: Tensor, n_keep: Tensor) -> tuple[Tensor, ...]:
+    def _partition(self, score: Tensor, valid: Tensor, lengths: Tensor, n_keep: Tensor,
+                   host: HostSizes | None = None) -> tuple[Tensor, ...]:
         """(B, H, T) score -> masks local, imp (B, H, T); tbm_slots (B, H, M) and its validity (B, H, M).
 
         Slots outside the local window are ranked by score: Imp = the top N_budget - L_win, TBM = the next
-        (gamma - 1) * N_budget, Irr = the rest. TBM slots come out in rank order.
+        (gamma - 1) * N_budget, Irr = the rest. TBM slots come out in rank order. ``host``: the sizes, to know
+        M without reading it back.
         """
         T = score.shape[-1]
         slots = torch.arange(T, device=score.device).view(1, 1, -1)
@@ -246,11 +252,19 @@ class EMS(Method):
         order = torch.where(candidate, score, -torch.inf).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, slots.expand_as(order).contiguous())
         imp = candidate & (rank < n_imp.unsqueeze(-1))
-        M = int(n_tbm.max()) if n_tbm.numel() else 0
+        M = self._most_tbm(T, host) if host is not None else int(n_tbm.max()) if n_tbm.numel() else 0
         offset = torch.arange(M, device=score.device).view(1, 1, -1)
         tbm_valid = offset < n_tbm.unsqueeze(-1)
         tbm_slots = order.gather(-1, (n_imp.unsqueeze(-1) + offset).clamp(max=T - 1))
         return local, imp, tbm_slots, tbm_valid
+
+    def _most_tbm(self, T: int, host: HostSizes) -> int:
+        """M of ``_partition`` from the host's sizes: the window and Imp take ``min(N_budget, length)`` slots of a
+        row, so TBM takes at most the rest of it."""
+        keep = host.kept()
+        n_tbm = np.full_like(keep, T) if math.isinf(self.gamma) else \
+            np.floor((self.gamma - 1) * keep.astype(np.float64) + 0.5).astype(np.int64)
+        return int(np.minimum(n_tbm, host.lengths - keep).max(initial=0))
 
     def _destinations(self, kv: LayerKV, raw_keys: Tensor, imp: Tensor, tbm_slots: Tensor,
                       tbm_valid: Tensor) -> Tensor:
@@ -259,14 +273,17 @@ class EMS(Method):
                                      self.similarity)
         return torch.where(best >= self.tau, match, -1)
 
-    def _evict_then_merge(self, kv: LayerKV, raw_keys: Tensor, score: Tensor, n_keep: Tensor, budget: int) -> LayerKV:
+    def _evict_then_merge(self, kv: LayerKV, raw_keys: Tensor, score: Tensor, n_keep: Tensor, budget: int,
+                          host: HostSizes | None = None) -> LayerKV:
         """Keep Loc + Imp (original order), merge redundant TBM slots into their centres, evict the rest.
-        ``budget``: the largest N_budget of the batch (before clamping to short rows), which sizes the LUT."""
+        ``budget``: the largest N_budget of the batch (before clamping to short rows), which sizes the LUT;
+        ``host``: the call's sizes, where the host knows them (then nothing is read back)."""
         valid = kv.valid()
-        local, imp, tbm_slots, tbm_valid = self._partition(score, valid, kv.lengths, n_keep)
+        local, imp, tbm_slots, tbm_valid = self._partition(score, valid, kv.lengths, n_keep, host)
         kept = local | imp
         lengths = kept.sum(-1)
-        G = max(int(lengths.max()) if lengths.numel() else 0, 1)
+        G = max(int(host.kept().max(initial=0)) if host is not None else
+                int(lengths.max()) if lengths.numel() else 0, 1)
         index = true_first(kept)[..., :G]  # kept slots in original order
         group = kept.long().cumsum(-1) - 1  # entry of each kept slot
         dest = self._destinations(kv, raw_keys, imp, tbm_slots, tbm_valid)
@@ -297,8 +314,8 @@ class EMS(Method):
         elif self.multiplicity_bias:
             out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
         merged = (members > 1).unsqueeze(-1)
-        if not bool(merged.any()):  # every TBM slot went to the zero class: a plain gather
-            return out
+        if host is None and not bool(merged.any()):  # every TBM slot went to the zero class: a plain gather
+            return out  # (with ``host``, no read back: the merge below then keeps every entry as it is)
         out.keys = torch.where(merged, self._merged_keys(kv, raw_keys, target, w, index), out.keys)
         out.values = torch.where(merged, scatter_merge(kv.values, target, w, G), out.values)
         return out
@@ -325,13 +342,13 @@ class EMS(Method):
         ``budget``, (gamma - 1) * N_budget, or with gamma = inf the most TBM tokens of a head, ``most_tbm``."""
         return most_tbm if math.isinf(self.gamma) else math.floor((self.gamma - 1) * budget + 0.5)
 
-    def batch_row(self, out: LayerKV, b: int, capacity: int, kv: LayerKV, n_keep: Tensor) -> LayerKV:
+    def batch_row(self, out: LayerKV, b: int, capacity: int, host: HostSizes) -> LayerKV:
         """The row's LUT cut to the size a prefill of the row alone gives it. The table holds the newest members
         first (``_lut``: a top-k by position), unused entries last, so its first entries are the row's own."""
         row = out.row(b, capacity)
         if LUT_POSITION in row.tables:
-            own = per_sample_n_keep(n_keep, kv)[b:b + 1]
-            size = self._lut_size(int((kv.lengths[b:b + 1] - own).clamp(min=0).max()), int(n_keep[b]))
+            most_tbm = int((host.lengths[b] - host.kept()[b]).max())
+            size = self._lut_size(most_tbm, int(host.n_keep[b]))
             row.tables = {name: t[..., :size].contiguous() for name, t in row.tables.items()}
         return row
 

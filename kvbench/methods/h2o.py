@@ -37,7 +37,7 @@ from torch import Tensor
 from kvbench.errors import ConfigError
 from kvbench.kernels.observe import pass_observers
 from kvbench.kernels.select import heavy_split, keep_topk
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_count, check_unit_interval, per_sample_n_keep, prompt_observers
 
 SCORE = "score"  # accumulated attention
@@ -51,6 +51,7 @@ class H2O(Method):
     normalize: score = accumulated attention ("sum", the paper) or its mean over the queries that saw the token."""
 
     name: ClassVar[str] = "h2o"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -75,14 +76,16 @@ class H2O(Method):
         if self.normalize == "mean_over_observers":
             kv.accumulate(OBSERVED, pass_observers(kv.positions, kv.lengths, stats.num_queries))
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         if phase == "prefill":
             kv.state[SCORE] = stats.column_sums.float().clone()
             if self.normalize == "mean_over_observers":
                 kv.state[OBSERVED] = prompt_observers(kv)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
-        index, lengths = keep_topk(self._score(kv), keep, kv.lengths, sinks=sinks, recent=recent)
+        index, lengths = keep_topk(self._score(kv), keep, kv.lengths, sinks=sinks, recent=recent,
+                                   row_sizes=host and host.most_kept())
         return kv.gather(index, lengths)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:

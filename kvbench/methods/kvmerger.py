@@ -59,7 +59,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.select import topk_mask, true_first
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
-from kvbench.kv import LOGIT_BIAS, AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LOGIT_BIAS, LayerKV
 from kvbench.methods.base import Method, check_unit_interval
 
 GROUPINGS = ("chain", "anchor")
@@ -106,7 +106,8 @@ class KVMerger(Method):
         """Threshold-driven: without ``enforce_budget`` a row may keep its whole prompt."""
         return self.enforce_budget
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         valid = kv.valid()
         score = torch.zeros(kv.positions.shape, dtype=torch.float32, device=kv.keys.device)
         t = min(stats.column_sums.shape[-1], kv.capacity)  # statistics cover slots [0, t)

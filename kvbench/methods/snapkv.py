@@ -30,7 +30,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.select import keep_topk, pool1d
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, per_sample_n_keep
 from kvbench.methods.base import check_count
 
@@ -42,6 +42,7 @@ class SnapKV(Method):
     """window: observation-window queries (also kept). kernel_size: odd pooling width. pooling: max | mean."""
 
     name: ClassVar[str] = "snapkv"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"window_column_sums"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill"})
 
@@ -64,7 +65,9 @@ class SnapKV(Method):
         prefix = slots < (kv.lengths - self.window).unsqueeze(-1)  # left-aligned rows: prefix = first slots
         return pool1d(votes * prefix, self.kernel_size, self.pooling) * prefix
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
-        index, lengths = keep_topk(self.scores(kv, stats), keep, kv.lengths, recent=self.window)
+        index, lengths = keep_topk(self.scores(kv, stats), keep, kv.lengths, recent=self.window,
+                                   row_sizes=host and host.most_kept())
         return kv.gather(index, lengths)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvbench.kernels.select import keep_topk, sinks_and_recent
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_count, per_sample_n_keep
 
 
@@ -37,6 +37,7 @@ class StreamingLLM(Method):
     """sinks: attention-sink tokens kept at the start of every row (paper default 4)."""
 
     name: ClassVar[str] = "streamingllm"
+    keeps_exact_budget: ClassVar[bool] = True
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
     evicts_in_place: ClassVar[bool] = True
 
@@ -47,12 +48,14 @@ class StreamingLLM(Method):
         super().__post_init__()
         check_count(self.name, 0, sinks=self.sinks)
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         sinks, recent = sinks_and_recent(keep, self.sinks)
         # Every kept slot is protected (sinks + recent = n_keep), so the scores never decide anything.
         scores = torch.zeros(kv.positions.shape, device=kv.keys.device)
-        index, lengths = keep_topk(scores, keep, kv.lengths, sinks=sinks, recent=recent)
+        index, lengths = keep_topk(scores, keep, kv.lengths, sinks=sinks, recent=recent,
+                                   row_sizes=host and host.most_kept())
         return kv.gather(index, lengths)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kvbench.errors import ConfigError
 from kvbench.kernels.select import keep_topk
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, per_sample_n_keep
 
 
@@ -33,6 +33,7 @@ class TOVA(Method):
     """head_average: one score per token for the whole layer (mean over heads) instead of one per head."""
 
     name: ClassVar[str] = "tova"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"window_column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -51,9 +52,11 @@ class TOVA(Method):
         """The prefill score is the attention of the last prompt query only."""
         return 1
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         scores = self.scores(stats.window_column_sums if phase == "prefill" else stats.step_attention)
-        index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths)
+        index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths,
+                                   row_sizes=host and host.most_kept())
         return kv.gather(index, lengths)
 
     def scores(self, attention: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ from kvbench.kernels.observe import observe_pass
 from kvbench.kernels.select import keep_topk
 from kvbench.kernels.weightedkv_step import (average_attention, merge_key, pair_fraction, protection,
                                              weightedkv_step)
-from kvbench.kv import AttentionStats, LayerKV
+from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_count, per_sample_n_keep, prompt_observers
 
 ACCUMULATED = "accumulated_attention"  # a
@@ -64,6 +64,7 @@ class WeightedKV(Method):
     m = 1024 / 256; None = m / 2 - sinks, the paper's proportion)."""
 
     name: ClassVar[str] = "weightedkv"
+    keeps_exact_budget: ClassVar[bool] = True
     needs: ClassVar[frozenset[str]] = frozenset({"column_sums"})
     decode_needs: ClassVar[frozenset[str]] = frozenset({"step_attention"})
     phases: ClassVar[frozenset[str]] = frozenset({"prefill", "decode"})
@@ -85,19 +86,22 @@ class WeightedKV(Method):
         observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step_attention, kv.positions, kv.lengths,
                      stats.num_queries)
 
-    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str) -> LayerKV:
+    def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
+                 host: HostSizes | None = None) -> LayerKV:
         if phase == "prefill":
             kv.state[ACCUMULATED] = stats.column_sums.float().clone()
             kv.state[OBSERVED] = prompt_observers(kv)
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         excess = kv.lengths - keep  # merges each row needs
-        if int(excess.max()) <= 0:
+        most = int(excess.max()) if host is None else int((host.lengths - host.kept()).max())
+        if most <= 0:
             return kv
         average = average_attention(kv.state[ACCUMULATED], kv.state[OBSERVED])  # a_bar, (B, H, T)
         order = self._merge_order(kv, keep, average)
         merge = merge_in_order if phase == "prefill" else merge_into_right
         values, alive = merge(kv.values, average, order, excess)
-        index, lengths = keep_topk(alive.float(), keep, kv.lengths)  # survivors, in order
+        index, lengths = keep_topk(alive.float(), keep, kv.lengths,  # survivors, in order
+                                   row_sizes=host and host.most_kept())
         return replace(kv, values=values).gather(index, lengths)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
