@@ -1,11 +1,11 @@
 """A prompt pass's per-layer compressions overlapped with the pass itself (``kvbench.shared_prefill``).
 
 A fused sweep compresses every layer of a prompt for a dozen points as soon as the pass leaves the layer. Those
-compressions are many small kernels and host decisions, and they read lengths back (``Tensor.cpu``), each read
-waiting for everything queued before it. Run in line, the device idles while the host plans a compression and
-the host idles while the device runs the next layer: the two add up. ``LayerWorker`` takes each layer's
-compression to a host thread: the pass's thread goes on launching the next layers while the worker compresses,
-so the device has work queued while either thread plans.
+compressions are many small kernels and host decisions; a read back (``Tensor.cpu``), where one is left (the host
+knows most sizes: ``kv.HostSizes``), waits for everything queued before it. Run in line, the device idles while the
+host plans a compression and the host idles while the device runs the next layer: the two add up. ``LayerWorker``
+takes each layer's compression to a host thread: the pass's thread goes on launching the next layers while the
+worker compresses, so the device has work queued while either thread plans.
 
 Both threads launch on the pass's stream. A compression's kernels are queued after the layer it reads (it is
 submitted once that layer's attention is queued), the pass uses the worker's results only after ``close``, and

@@ -64,7 +64,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.matching import chunked_soft_matching
 from kvbench.kernels.partner_merge import merge_into_partners
 from kvbench.kernels.select import topk_mask
-from kvbench.kv import AttentionStats, HostSizes, LOGIT_BIAS, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method
 from kvbench.methods.chelsea_schedule import DeviceStep, plan_step, plan_steps, upload
 

@@ -96,7 +96,7 @@ from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
 from kvbench.kernels.select import pool1d, true_first
 from kvbench.kernels.similarity import unit_keys
-from kvbench.kv import AttentionStats, CentreMembers, Expansion, HostSizes, LOGIT_BIAS, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, CentreMembers, Expansion, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_unit_interval, per_sample_n_keep
 
 POSITIONS = ("with", "without")
@@ -252,7 +252,10 @@ class EMS(Method):
         order = torch.where(candidate, score, -torch.inf).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, slots.expand_as(order).contiguous())
         imp = candidate & (rank < n_imp.unsqueeze(-1))
-        M = self._most_tbm(T, host) if host is not None else int(n_tbm.max()) if n_tbm.numel() else 0
+        if host is not None:
+            M = self._most_tbm(T, host)
+        else:
+            M = int(n_tbm.max()) if n_tbm.numel() else 0
         offset = torch.arange(M, device=score.device).view(1, 1, -1)
         tbm_valid = offset < n_tbm.unsqueeze(-1)
         tbm_slots = order.gather(-1, (n_imp.unsqueeze(-1) + offset).clamp(max=T - 1))
@@ -282,8 +285,10 @@ class EMS(Method):
         local, imp, tbm_slots, tbm_valid = self._partition(score, valid, kv.lengths, n_keep, host)
         kept = local | imp
         lengths = kept.sum(-1)
-        G = max(int(host.kept().max(initial=0)) if host is not None else
-                int(lengths.max()) if lengths.numel() else 0, 1)
+        if host is not None:  # kept: min(N_budget, length) slots a row
+            G = max(int(host.kept().max(initial=0)), 1)
+        else:
+            G = max(int(lengths.max()) if lengths.numel() else 0, 1)
         index = true_first(kept)[..., :G]  # kept slots in original order
         group = kept.long().cumsum(-1) - 1  # entry of each kept slot
         dest = self._destinations(kv, raw_keys, imp, tbm_slots, tbm_valid)

@@ -59,7 +59,7 @@ from kvbench.errors import ConfigError
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.select import topk_mask, true_first
 from kvbench.kernels.similarity import adjacent_cosine, anchor_runs, chain_runs
-from kvbench.kv import AttentionStats, HostSizes, LOGIT_BIAS, LayerKV
+from kvbench.kv import LOGIT_BIAS, AttentionStats, HostSizes, LayerKV
 from kvbench.methods.base import Method, check_unit_interval
 
 GROUPINGS = ("chain", "anchor")
