@@ -299,7 +299,8 @@ def test_the_local_launcher_runs_a_group_as_one_process(tmp_path):
 
     from tests.conftest import REPO
 
-    env = {**os.environ, "KVBENCH_SUBMITIT_DIR": str(tmp_path / "submitit"), "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keep what it had
+    env = {**os.environ, "KVBENCH_SUBMITIT_DIR": str(tmp_path / "submitit"), "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-m", "kvbench", "-m", *SWEEP, "hydra/launcher=local",
                            f"results_root={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
