@@ -319,8 +319,10 @@ class EMS(Method):
         elif self.multiplicity_bias:
             out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
         merged = (members > 1).unsqueeze(-1)
-        if host is None and not bool(merged.any()):  # every TBM slot went to the zero class: a plain gather
-            return out  # (with ``host``, no read back: the merge below then keeps every entry as it is)
+        # a plain gather where nothing merged: no TBM slot (gamma = 1, known on the host), or every TBM slot went to
+        # the zero class (read back only without ``host``; with it the merge below keeps every entry as it is)
+        if tbm_slots.shape[-1] == 0 or (host is None and not bool(merged.any())):
+            return out
         out.keys = torch.where(merged, self._merged_keys(kv, raw_keys, target, w, index), out.keys)
         out.values = torch.where(merged, scatter_merge(kv.values, target, w, G), out.values)
         return out
