@@ -160,7 +160,8 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     A method that expands its stored slots (``Method.expand``) has attention read the expansion instead, over
     its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots;
     one query over members of stored slots (``Expansion.members``) attends from the slots (``lut_attention``)."""
-    expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv)
+    expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv,
+                                                             position_limit=plan.position_limit)
     wanted = plan.wanted & ATTENTION_STATS
     q = query.shape[2]
     if q == 1 and expansion is not None and expansion.members is not None:  # no view: members from their slots

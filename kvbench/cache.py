@@ -43,8 +43,11 @@ class PassPlan:
     window:          queries behind ``window_column_sums``.
     after_layer:     called with the layer index right after its attention (per-layer prompt compression).
     static_shapes:   no host-known length may shape a kernel (a CUDA graph is being captured).
-    expand:          (layer index, stored cache) -> the entries attention reads instead of the stored slots, or
-                     None for the slots themselves (``Method.expand``); None for methods that never expand.
+    expand:          (layer index, stored cache, position_limit=) -> the entries attention reads instead of the
+                     stored slots, or None for the slots themselves (``Method.expand``); None for methods that
+                     never expand.
+    position_limit:  a bound, known on the host, that every position stored or fed in the pass is below; None
+                     where the caller has none (``Session.position_limit``).
     stat_sets:       a prompt pass shared by several methods (``kvbench.shared_prefill``): further (wanted,
                      window) statistic sets, each computed as a pass asking for it alone computes it; they land
                      in ``CompressedCache.set_stats``, in this order.
@@ -56,7 +59,8 @@ class PassPlan:
     window: int = 0
     after_layer: Callable[[int], None] | None = None
     static_shapes: bool = False
-    expand: Callable[[int, LayerKV], Expansion | None] | None = None
+    expand: Callable[[int, LayerKV, int | None], Expansion | None] | None = None
+    position_limit: int | None = None
     stat_sets: tuple[tuple[frozenset[str], int], ...] = ()
 
 

@@ -53,6 +53,10 @@ from kvbench.methods.base import Method
 POSITION_MODES = ("original", "cache_length")
 DECODE_PATHS = ("in_place", "compress")
 DATA_DRIVEN_HEADROOM = 0.25  # a decode batch's room for later rows, at points whose layer sizes the data decides
+# ``Session.position_limit`` is a multiple of this: a decode step's bound changes (and a captured step is captured
+# again) once every 4,096 tokens; EMS's position map (``lut_expand.centre_slots``) is then at most 4,095 entries
+# a row wider than the positions need.
+POSITION_LIMIT_STEP = 4096
 # CUDA streams a decode step's per-layer observation and in-place eviction spread over (layer l on stream
 # l % LAYER_STREAMS; 1: in line). The layers' evictions touch only their own storage, and each is a few
 # latency-bound launches of a few microseconds, so run one after another they leave most of the device idle.
@@ -166,8 +170,9 @@ class Session:
     """A batch's state in the compressed cache between passes; with one row, a prefilled row (``Engine.prefill_row``)
     that a ``DecodeBatch`` places into a slot of its storage (``place``).
 
-    layer_n_keep / host_n_keep: (L, B) budgets on the device and on the host; next_index: (B,) original index
-    of each row's next token; prefill_lengths: (L, B, H) realized slots right after prefill compression (host);
+    layer_n_keep / host_n_keep: (L, B) budgets on the device and on the host; next_index / host_next_index: (B,)
+    original index of each row's next token, on the device and on the host; prefill_lengths: (L, B, H) realized
+    slots right after prefill compression (host);
     row_steps: (B,) decode passes of each row since it was placed (decode intervals count per row)."""
 
     engine: "Engine"
@@ -175,6 +180,7 @@ class Session:
     next_index: Tensor
     layer_n_keep: Tensor
     host_n_keep: np.ndarray
+    host_next_index: np.ndarray
     logits: Tensor | None = None  # (B, V) logits of the last token of the last pass
     decode_steps: int = 0
     prefill_lengths: Tensor | None = None
@@ -254,14 +260,22 @@ class Session:
         observing = method.compress_during_decode
         plan = PassPlan(query_positions=index, num_queries=torch.full((index.shape[0],), q, device=device),
                         wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window,
-                        static_shapes=static_shapes, expand=engine.expand)
+                        static_shapes=static_shapes, expand=engine.expand, position_limit=self.position_limit(q))
         return plan, engine._rope_positions(self.cache, index)
+
+    def position_limit(self, q: int) -> int:
+        """A bound on every position stored or fed in the next pass of q tokens a row: the rows' next index plus q,
+        rounded up to ``POSITION_LIMIT_STEP``, so that it stays the same over many decode steps (a captured step
+        keeps it: ``kvbench.graphs`` captures again when it changes)."""
+        longest = int(self.host_next_index.max(initial=0)) + q
+        return -(-longest // POSITION_LIMIT_STEP) * POSITION_LIMIT_STEP
 
     def after_pass(self, logits: Tensor, phase: str) -> None:
         """What follows a pass whose logits (B, q, V) are ``logits``: the rows advance, and a method that compresses
         while decoding observes the pass and compresses where due."""
         q = logits.shape[1]
         self.next_index += q  # in place: a captured decode step keeps reading the same tensor
+        self.host_next_index += q
         self.logits = logits[:, -1]
         if self.engine.method.compress_during_decode:
             decode = phase == "decode"
@@ -348,6 +362,7 @@ class Session:
         session = cls(engine, cache, next_index=like.next_index.new_zeros(batch),
                       layer_n_keep=like.layer_n_keep.new_zeros(L, batch),
                       host_n_keep=np.zeros((L, batch), like.host_n_keep.dtype),
+                      host_next_index=np.zeros(batch, np.int64),
                       logits=like.logits.new_zeros(batch, like.logits.shape[-1]),
                       prefill_lengths=like.prefill_lengths.new_zeros(L, batch, H), kv_bytes_full=[0] * batch,
                       kv_bytes_compressed=[0] * batch, prompt_lengths=[0] * batch, timer=DeviceTimer(engine.device))
@@ -373,6 +388,7 @@ class Session:
             self.layer_n_keep[:, index] = row.layer_n_keep[:, :1].to(self.layer_n_keep.dtype)
             self.logits[index] = row.logits[0].to(self.logits.dtype)
         self.host_n_keep[:, rows] = row.host_n_keep[:, :1]
+        self.host_next_index[rows] = row.host_next_index[0]
         self.prefill_lengths[:, torch.as_tensor(rows)] = row.prefill_lengths[:, :1]
         for b in rows.tolist():
             self.kv_bytes_full[b], self.kv_bytes_compressed[b] = row.kv_bytes_full[0], row.kv_bytes_compressed[0]
@@ -570,7 +586,8 @@ class Engine:
 
             plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
                             wanted=method.needs, window=method.window,
-                            after_layer=compress_layer if per_layer else None, expand=self.expand)
+                            after_layer=compress_layer if per_layer else None, expand=self.expand,
+                            position_limit=stop)
             logits = self._forward(tokens[:, start:stop], index, index, cache, plan, logits_to_keep=1)
             if not per_layer:
                 stats = [self._prompt_stats(cache, layer, observed, stop, start > 0) for layer in range(L)]
@@ -584,7 +601,7 @@ class Engine:
         """An empty single-row session whose prompt of ``prompt_length`` tokens is about to be prefilled."""
         return Session(self, CompressedCache(self.num_layers),
                        next_index=torch.full((1,), prompt_length, device=self.device), layer_n_keep=None,
-                       host_n_keep=None, timer=timer)
+                       host_n_keep=None, host_next_index=np.array([prompt_length], np.int64), timer=timer)
 
     def budgets_before_pass(self, n_keep: Tensor, prompt_length: int, max_new_tokens: int) -> Tensor:
         """(L, 1) layer budgets (host) of a method whose budgets need no statistics (known from the length alone)."""

@@ -101,6 +101,7 @@ class DecodeGraph:
                 layer.ordered = is_ordered
             session.decode_steps += count
             session.row_steps += count
+            session.host_next_index += count
             session.logits = logits
 
     def invalidate(self) -> None:
@@ -166,6 +167,8 @@ class DecodeGraph:
                     safe = min(safe, int((session.host_n_keep[index][:, None] - layer.host_lengths).min()))
             if method.compress_during_decode and method.decode_interval > 1:
                 safe = min(safe, int(((-(session.row_steps + 1)) % method.decode_interval).min()))
+            if session.engine.expand is not None:  # the steps that keep the captured position limit
+                safe = min(safe, session.position_limit(1) - int(session.host_next_index.max(initial=0)))
         return max(safe, 0)
 
     def _signature(self, decisions: tuple) -> tuple:
@@ -180,10 +183,13 @@ class DecodeGraph:
     def _decisions(self) -> tuple | None:
         """What the next step does on the host, per session and layer: nothing, or an in-place eviction; None
         when it needs an eager step (storage growth, ``Method.compress``). With the storage versions, so that
-        re-allocated storage is captured again."""
+        re-allocated storage is captured again, and the position limit of a method that expands its slots (its
+        kernels' widths)."""
         plan = []
         for session in self.sessions:
             method = session.engine.method
+            if session.engine.expand is not None:
+                plan.append(("position_limit", session.position_limit(1)))
             due = session.due_rows(ahead=1) if method.compress_during_decode else None
             for index, layer in enumerate(session.cache.layers):
                 if layer.longest + 1 > layer.kv.capacity:

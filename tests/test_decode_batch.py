@@ -194,29 +194,35 @@ class ReplayedOnTheHost:
             self.fresh = False
             return
         sessions, body = self.step
+        pending = self.runner.pending  # replays before this one whose host side is not applied yet
+        captured = [value for action, value in self.runner.captured if action == "position_limit"]
+        assert captured == [s.position_limit(1 + pending) for s in sessions if s.engine.expand is not None], \
+            "a step replays under the position limit it was captured with"
         saved = [([(l.host_lengths.copy(), l.longest, l.aligned, l.ordered) for l in s.cache.layers],
-                  s.decode_steps, s.row_steps.copy(), s.logits) for s in sessions]
+                  s.decode_steps, s.row_steps.copy(), s.host_next_index.copy(), s.logits) for s in sessions]
         body(True)
-        for s, (layers, steps, row_steps, logits) in zip(sessions, saved):
+        for s, (layers, steps, row_steps, next_index, logits) in zip(sessions, saved):
             for layer, (lengths, longest, aligned, ordered) in zip(s.cache.layers, layers):
                 layer.host_lengths, layer.longest, layer.aligned, layer.ordered = lengths, longest, aligned, ordered
-            s.decode_steps, s.row_steps, s.logits = steps, row_steps, logits
+            s.decode_steps, s.row_steps, s.host_next_index, s.logits = steps, row_steps, next_index, logits
 
 
-@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea_interval4"])
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "chelsea_interval4", "ems_merge_all"])
 def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, name, monkeypatch, caplog):
     """The graph runner's bookkeeping on a CPU (captures replayed on the host): decisions, steps known safe, the
     host side applied lazily, bytes read per step; every row as alone, and steps replayed; the batch's log
-    line counts its steps by kind."""
+    line counts its steps by kind. EMS's steps depend on the rows' position limit, which here changes every 16
+    positions (a capture again each time); the rows' next positions stay mirrored on the host."""
     import logging
 
-    from kvbench import graphs
+    from kvbench import engine as engine_module, graphs
     from tests.golden.record import CASES as GOLDEN_CASES, build_method
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", ReplayedOnTheHost)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(graphs, "capture_stream", lambda: None)  # torch.cuda.stream(None) changes nothing
     monkeypatch.setattr(graphs, "WARMED", set())
+    monkeypatch.setattr(engine_module, "POSITION_LIMIT_STEP", 16)
     method = build_method(*GOLDEN_CASES[name]) if name in GOLDEN_CASES else build(name)
     engine = Engine(tiny_model, method, Budget("tokens", 12))
     prompts = random_prompts(LENGTHS + [17, 50], tiny_model.config.vocab_size, seed=9)
@@ -233,6 +239,8 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
         requests = [DecodeRequest(n) for n in (14, 5, 9, 14, 7, 11)]
         with caplog.at_level(logging.INFO, logger="kvbench"):
             got = run(batch, [(0, engine.prefill_row(p, r.max_new_tokens), r) for p, r in zip(prompts, requests)])
+        session = batch.points[0].session
+        assert session.host_next_index.tolist() == session.next_index.tolist()
         want = [alone(engine, p, r) for p, r in zip(prompts, requests)]
     for tag, row in enumerate(want):
         assert got[tag].tokens == row.tokens, f"row {tag}"
@@ -242,6 +250,8 @@ def test_replayed_steps_and_their_lazy_host_side_decode_as_alone(tiny_model, nam
     assert batch.replays > (0 if method.decode_interval > 1 else batch.launched / 3)
     kinds = batch.steps_by_kind
     assert sum(kinds.values()) == batch.launched and kinds["warm-up"] >= 1 and kinds["capture"] >= 1
+    if method.expands_slots:  # captured again as the rows' position limit moves
+        assert kinds["capture"] >= 2
     assert set(batch.seconds_by_kind) == set(kinds) and min(batch.seconds_by_kind.values()) > 0
     counted = ", ".join(f"{kinds[k]} {k} {batch.seconds_by_kind[k]:.3f} s" for k in ("replay", "capture", "warm-up",
                                                                                       "eager") if kinds[k])

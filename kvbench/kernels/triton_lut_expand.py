@@ -9,10 +9,16 @@ stored padding s >= length to view_length + (dead members) + (s - length), both 
 ``fold_entries``: one program per (row, tile of entries) adds each entry below the row's length onto its
 stored slot with a float32 atomic add.
 
-``centre_slots``: one program per (row, tile of slots) writes the sort's input (a real slot's position as int32,
-INT32_MAX past the row's length), torch sorts each row, and one program per (row, tile of entries) binary-searches
-every entry's centre in its row (lower bound, as ``torch.searchsorted``) and writes its slot and liveness: two
-launches where the reference takes about twenty elementwise operations, gathers and the search.
+``centre_slots``, given a bound on the positions (``position_limit``, what a decode step's host knows): one
+program per (row, tile of slots) writes every real slot's index at its position in a (B, H, limit) int32 map,
+and one program per (row, tile of entries) reads every entry's centre there and keeps the slot only where the
+slot is real and holds that position. Positions are unique in a row, so a stored centre's entry was written by
+this call; any other entry of the map (never written: ``torch.empty``, or left by an earlier call) names a
+slot that fails the check, so the map needs no clearing. Two launches, no sort. Without a bound: one program
+per (row, tile of slots) writes the sort's input (a real slot's position as int32, INT32_MAX past the row's
+length), torch sorts each row (about ten launches on a GPU), and one program per (row, tile of entries)
+binary-searches every entry's centre in its row (lower bound, as ``torch.searchsorted``). Both give the
+reference's integers; the reference takes about twenty elementwise operations, gathers and the sort.
 """
 
 from __future__ import annotations
@@ -169,9 +175,41 @@ def _centre_lookup(sorted_ptr, order_ptr, centre_ptr, slot_ptr, live_ptr, H, T, 
     tl.store(live_ptr + row * E + j, live, mask=inside)
 
 
-def centre_slots(positions: Tensor, lengths: Tensor, centre: Tensor) -> tuple[Tensor, Tensor]:
+@triton.jit
+def _position_map(pos_ptr, len_ptr, map_ptr, H, T, LIMIT, spb, sph, spt, slb, slh, BLOCK: tl.constexpr):
+    """map[row, position of slot s] = s for every real slot s of the row."""
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, h = row // H, row % H
+    s = tile * BLOCK + tl.arange(0, BLOCK)
+    real = s < tl.minimum(tl.load(len_ptr + b * slb + h * slh), T)
+    position = tl.load(pos_ptr + b * spb + h * sph + s * spt, mask=real, other=0)
+    tl.store(map_ptr + row * LIMIT + position, s.to(tl.int32), mask=real & (position >= 0) & (position < LIMIT))
+
+
+@triton.jit
+def _map_lookup(map_ptr, pos_ptr, len_ptr, centre_ptr, slot_ptr, live_ptr, H, T, E, LIMIT, spb, sph, spt, slb, slh,
+                scb, sch, sce, BLOCK: tl.constexpr):
+    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    b, h = row // H, row % H
+    j = tile * BLOCK + tl.arange(0, BLOCK)
+    inside = j < E
+    centre = tl.load(centre_ptr + b * scb + h * sch + j * sce, mask=inside, other=-1)
+    mapped = inside & (centre >= 0) & (centre < LIMIT)
+    slot = tl.load(map_ptr + row * LIMIT + centre, mask=mapped, other=-1).to(tl.int64)
+    real = mapped & (slot >= 0) & (slot < tl.minimum(tl.load(len_ptr + b * slb + h * slh), T))
+    held = tl.load(pos_ptr + b * spb + h * sph + slot * spt, mask=real, other=-1)
+    live = real & (held == centre)
+    tl.store(slot_ptr + row * E + j, tl.where(live, slot, 0), mask=inside)
+    tl.store(live_ptr + row * E + j, live, mask=inside)
+
+
+def centre_slots(positions: Tensor, lengths: Tensor, centre: Tensor, position_limit: int | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """Triton ``lut_expand.centre_slots``."""
     B, H, T = positions.shape
+    if position_limit is not None:
+        position_map = torch.empty(B, H, max(position_limit, 1), dtype=torch.int32, device=positions.device)
+        return slots_through_map(positions, lengths, centre, position_map)
     E = centre.shape[-1]
     stored = torch.empty(B, H, T, dtype=torch.int32, device=positions.device)
     _stored_positions[(B * H, triton.cdiv(T, SLOTS_BLOCK))](positions, lengths, stored, H, T, *positions.stride(),
@@ -182,4 +220,19 @@ def centre_slots(positions: Tensor, lengths: Tensor, centre: Tensor) -> tuple[Te
     _centre_lookup[(B * H, triton.cdiv(E, SLOTS_BLOCK))](sorted_positions, order, centre, slot, live, H, T, E,
                                                         *centre.stride(), STEPS=max(1, T.bit_length()),
                                                         BLOCK=SLOTS_BLOCK)
+    return slot, live
+
+
+def slots_through_map(positions: Tensor, lengths: Tensor, centre: Tensor, position_map: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+    """``centre_slots`` through ``position_map`` (B, H, limit) int32, whatever it holds (the module doc)."""
+    B, H, T = positions.shape
+    E, limit = centre.shape[-1], position_map.shape[-1]
+    _position_map[(B * H, triton.cdiv(T, SLOTS_BLOCK))](positions, lengths, position_map, H, T, limit,
+                                                        *positions.stride(), *lengths.stride(), BLOCK=SLOTS_BLOCK)
+    slot = torch.empty(B, H, E, dtype=torch.long, device=positions.device)
+    live = torch.empty(B, H, E, dtype=torch.bool, device=positions.device)
+    _map_lookup[(B * H, triton.cdiv(E, SLOTS_BLOCK))](position_map, positions, lengths, centre, slot, live, H, T, E,
+                                                     limit, *positions.stride(), *lengths.stride(), *centre.stride(),
+                                                     BLOCK=SLOTS_BLOCK)
     return slot, live

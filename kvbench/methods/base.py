@@ -145,10 +145,12 @@ class Method:
         graphs): fixed-shape operations only."""
         raise NotImplementedError
 
-    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
+    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor],
+               position_limit: int | None = None) -> Expansion | None:
         """The entries every pass over layer ``layer``'s stored cache ``kv`` attends instead of its slots (asked
         only when ``expands_slots``), or None for the slots themselves. ``rotate(keys, offsets)`` rotates
-        post-RoPE keys (B, H, E, D) by the model's RoPE at ``offsets`` (B, H, E), of any sign. Statistics the
+        post-RoPE keys (B, H, E, D) by the model's RoPE at ``offsets`` (B, H, E), of any sign;
+        ``position_limit``: the pass's ``PassPlan.position_limit`` (None: not known). Statistics the
         method asked for come back per stored slot, summed over the entries that stand for it. Must keep
         static shapes and read no device value back (it runs inside decode steps and CUDA graphs)."""
         raise NotImplementedError

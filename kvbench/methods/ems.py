@@ -159,16 +159,18 @@ class EMS(Method):
     def expands_slots(self) -> bool:
         return self.expansion == "lut"
 
-    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor]) -> Expansion | None:
+    def expand(self, layer: int, kv: LayerKV, rotate: Callable[[Tensor, Tensor], Tensor],
+               position_limit: int | None = None) -> Expansion | None:
         """Stored slots, then every LUT member as ||k_j|| * unit(key_c) ("w.o. pos": at the centre's RoPE
         position) or ||k_j|| * unit(RoPE_{p_j - p_c}(key_c)) ("w. pos": at its own), with its centre's value;
         unused entries masked. Left-aligned over the static capacity T + E, built only when a pass reads it:
         "w.o. pos" also gives the members as such (``CentreMembers``), which a one-query pass attends from
-        the stored slots."""
+        the stored slots. The members' centre slots are found by position (``centre_slots``, through a map of
+        ``position_limit`` entries where the pass knows that bound)."""
         if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
             return None
         position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
-        slot, live = centre_slots(kv.positions, kv.lengths, centre)
+        slot, live = centre_slots(kv.positions, kv.lengths, centre, position_limit)
 
         def view() -> tuple[LayerKV, Tensor]:
             member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself

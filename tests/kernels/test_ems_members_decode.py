@@ -20,8 +20,8 @@ from tests.golden.record import random_prompts
 class ViewEMS(EMS):
     """EMS whose expansion offers only the view: every pass attends over the expanded entries."""
 
-    def expand(self, layer, kv, rotate):
-        expansion = super().expand(layer, kv, rotate)
+    def expand(self, layer, kv, rotate, position_limit=None):
+        expansion = super().expand(layer, kv, rotate, position_limit)
         return None if expansion is None else Expansion(expansion.view)
 
 
@@ -57,3 +57,35 @@ def test_members_decode_as_the_view(tiny_model, monkeypatch, backend):
     for got, want in zip(layers, view_layers):  # the step attention every step added to the scores
         assert torch.equal(got.kv.positions, want.kv.positions)
         torch.testing.assert_close(got.kv.state["s_glo"], want.kv.state["s_glo"], atol=1e-6, rtol=1e-5)
+
+
+def test_members_found_through_the_position_map_as_by_the_sort(tiny_model, monkeypatch):
+    """The Triton path finds the members' centre slots through a map as wide as the pass's position limit, or
+    without a limit by a sort: the same integers, so the same logits and caches to the bit. The limit here is a
+    multiple of 16 positions (it changes while the rows decode); one short of a stored centre's position would
+    drop that centre's members."""
+    from kvbench import engine as engine_module
+    from kvbench.kernels import triton_lut_expand
+
+    monkeypatch.setattr(engine_module, "POSITION_LIMIT_STEP", 16)
+    through_map = triton_lut_expand.slots_through_map
+    widths = []
+
+    def checked(positions, lengths, centre, position_map):  # the bound the map relies on, at every pass
+        real = torch.arange(positions.shape[-1]) < lengths.unsqueeze(-1)
+        assert int(positions[real].max()) < position_map.shape[-1]
+        widths.append(position_map.shape[-1])
+        return through_map(positions, lengths, centre, position_map)
+
+    monkeypatch.setattr(triton_lut_expand, "slots_through_map", checked)
+    runs = {}
+    with use_backend("triton"):
+        runs["map"] = decode(tiny_model, EMS(tau=0.0, window=4))
+        monkeypatch.setattr(engine_module.Session, "position_limit", lambda self, q: None)
+        runs["sort"] = decode(tiny_model, EMS(tau=0.0, window=4))
+    assert len(set(widths)) >= 2  # the limit moved while the rows decoded
+    (logits, layers), (want_logits, want_layers) = runs["map"], runs["sort"]
+    assert all(torch.equal(got, want) for got, want in zip(logits, want_logits))
+    for got, want in zip(layers, want_layers):
+        assert torch.equal(got.kv.positions, want.kv.positions) and torch.equal(got.kv.keys, want.kv.keys)
+        assert all(torch.equal(got.kv.tables[name], want.kv.tables[name]) for name in got.kv.tables)

@@ -85,13 +85,11 @@ def test_lut_kernels_compile_for_the_gpu():
     assert "17 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 37, 70), (1, 2, 1500, 2100), (1, 2, 300, 500)], ids=str)
-def test_centre_slots_triton_matches_torch(shape):
-    """Every entry's centre slot and liveness, bit for bit: stored positions in any slot order (unique per row,
-    stale values past a row's length), centres that are stored, stored only past the length, never stored, or
-    unused (-1); positions read through a strided view (a row of a larger storage). The last shape's positions
-    are sparse (multiples of 1024), as a long prompt's are after compression."""
-    B, H, T, E = shape
+def centre_case(B, H, T, E):
+    """Stored positions in any slot order (unique per row, stale values past a row's length), read through a
+    strided view (a row of a larger storage), with its lengths; centres that are stored, stored only past the
+    length, never stored (some past every stored position), or unused (-1). T = 300: sparse positions
+    (multiples of 1024), as a long prompt's are after compression."""
     g = torch.Generator().manual_seed(11)
     storage = torch.stack([torch.randperm(4 * T + 4, generator=g)[:T + 3] for _ in range(B * H)]).view(B, H, T + 3)
     if T == 300:
@@ -103,10 +101,24 @@ def test_centre_slots_triton_matches_torch(shape):
     centre = storage.gather(-1, pick)  # stored before, at or past the length
     kind = torch.randint(0, 4, (B, H, E), generator=g)
     centre = torch.where(kind == 0, -1, torch.where(kind == 1, 4 * T + 5 + pick, centre))  # unused; never stored
+    return positions, lengths, centre
+
+
+CENTRE_SHAPES = [(1, 1, 1, 1), (2, 3, 37, 70), (1, 2, 1500, 2100), (1, 2, 300, 500)]
+
+
+@pytest.mark.parametrize("shape", CENTRE_SHAPES, ids=str)
+@pytest.mark.parametrize("bounded", [False, True], ids=["sorted", "position_map"])
+def test_centre_slots_triton_matches_torch(shape, bounded):
+    """Every entry's centre slot and liveness, bit for bit, by the sort or (given a bound on the positions) the
+    position map; and the reference against the definition."""
+    B, H, T, E = shape
+    positions, lengths, centre = centre_case(*shape)
+    limit = int(positions.max()) + 1 if bounded else None  # the tightest bound: the largest position is its last
     out = {}
     for backend in ("torch", "triton"):
         with use_backend(backend):
-            out[backend] = centre_slots(positions, lengths, centre)
+            out[backend] = centre_slots(positions, lengths, centre, limit)
     (slot0, live0), (slot1, live1) = out["torch"], out["triton"]
     assert slot1.dtype == torch.long and live1.dtype == torch.bool
     assert torch.equal(live0, live1) and torch.equal(slot0, slot1)
@@ -116,3 +128,22 @@ def test_centre_slots_triton_matches_torch(shape):
             where = {int(p): s for s, p in enumerate(positions[b, h].tolist()) if stored[b, h, s]}
             assert live0[b, h].tolist() == [int(c) in where for c in centre[b, h].tolist()]
             assert slot0[b, h].tolist() == [where.get(int(c), 0) for c in centre[b, h].tolist()]
+
+
+@pytest.mark.parametrize("shape", CENTRE_SHAPES, ids=str)
+def test_position_map_needs_no_clearing(shape):
+    """The map as a decode step finds it (left by another layer or step): every entry holds a slot index that may
+    be out of range, past the row's length, or a real slot that holds another position. The slots found are
+    still the reference's."""
+    from kvbench.kernels.triton_lut_expand import slots_through_map
+
+    B, H, T, E = shape
+    positions, lengths, centre = centre_case(*shape)
+    limit = int(positions.max()) + 1
+    with use_backend("torch"):
+        slot0, live0 = centre_slots(positions, lengths, centre)
+    g = torch.Generator().manual_seed(5)
+    for low, high in ((-3, 0), (0, T + 3), (T, 2 ** 31 - 1)):
+        stale = torch.randint(low, high, (B, H, limit), generator=g, dtype=torch.int32)
+        slot1, live1 = slots_through_map(positions, lengths, centre, stale)
+        assert torch.equal(live0, live1) and torch.equal(slot0, slot1)
