@@ -25,7 +25,9 @@ On an H200 (Llama-3.1-8B shape, bf16, one layer's whole step, each way at its be
 one kernel holding both ways 78 and 195 us; raw keys given 56 and 123 us, after a copy un-RoPE'd by torch (about
 26 us a layer at 1 x 6,554) (``results/gpu/2026-11-27/logs/ems_rope_source_call34.md``).
 Floating-point contraction is off in phase 3; row sums, norms and cosines round differently from torch (float32
-units in the last place).
+units in the last place: a cosine is the unit TBM key's dot product with a key divided by that key's norm, where
+torch divides every element first, as ``triton_d2o_step`` does), which moves a merge decision only when R sits
+within that of tau or of another centre's R.
 """
 
 from __future__ import annotations
@@ -178,13 +180,14 @@ def _block_redundancy(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, rope
                                  FROM_TABLE)
             past = past | (tl.max(tl.where(centre, pos, 0), 0) >= TABLE_ROWS)
             norm = tl.maximum(tl.sqrt_rn(tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)), EPS)
-            R = tl.maximum(tl.sum(t1[None, :] * tl.math.div_rn(k1, norm[:, None]), 1)
-                           + tl.sum(t2[None, :] * tl.math.div_rn(k2, norm[:, None]), 1), 0.0)
+            # each cosine is the dot product divided by the norm, not every element divided first (torch's unit
+            # keys): two IEEE divisions a slot instead of D + D_v, which made this launch compute-bound at a batch
+            R = tl.maximum(tl.math.div_rn(tl.sum(t1[None, :] * k1, 1) + tl.sum(t2[None, :] * k2, 1), norm), 0.0)
         if SIMILARITY != 1:  # the value factor (key_value, value)
             values = tl.load(v_ptr + (row * C + s[:, None]) * DV + dv[None, :],
                              mask=centre[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
             norm = tl.maximum(tl.sqrt_rn(tl.sum(values * values, 1)), EPS)
-            R = R * tl.maximum(tl.sum(value_t[None, :] * tl.math.div_rn(values, norm[:, None]), 1), 0.0)
+            R = R * tl.maximum(tl.math.div_rn(tl.sum(value_t[None, :] * values, 1), norm), 0.0)
         best, oldest, match = fold_highest(best, oldest, match, R, pos, s, centre)
     return best, oldest, match, past
 

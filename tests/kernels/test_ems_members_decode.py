@@ -61,9 +61,10 @@ def test_members_decode_as_the_view(tiny_model, monkeypatch, backend):
 
 def test_members_found_through_the_position_map_as_by_the_sort(tiny_model, monkeypatch):
     """The Triton path finds the members' centre slots through a map as wide as the pass's position limit, or
-    without a limit by a sort: the same integers, so the same logits and caches to the bit. The limit here is a
-    multiple of 16 positions (it changes while the rows decode); one short of a stored centre's position would
-    drop that centre's members."""
+    without a limit by a sort: the same integers, so the same logits and caches (to the bit on a CPU; on CUDA the
+    members' weights are float atomic adds, so two runs differ in the last bits). The limit here is a multiple
+    of 16 positions (it changes while the rows decode); one short of a stored centre's position would drop that
+    centre's members."""
     from kvbench import engine as engine_module
     from kvbench.kernels import triton_lut_expand
 
@@ -85,7 +86,11 @@ def test_members_found_through_the_position_map_as_by_the_sort(tiny_model, monke
         runs["sort"] = decode(tiny_model, EMS(tau=0.0, window=4))
     assert len(set(widths)) >= 2  # the limit moved while the rows decoded
     (logits, layers), (want_logits, want_layers) = runs["map"], runs["sort"]
-    assert all(torch.equal(got, want) for got, want in zip(logits, want_logits))
+    tolerance = {"atol": 0, "rtol": 0} if logits[0].device.type == "cpu" else {"atol": 1e-5, "rtol": 1e-5}
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, **tolerance)
     for got, want in zip(layers, want_layers):
-        assert torch.equal(got.kv.positions, want.kv.positions) and torch.equal(got.kv.keys, want.kv.keys)
-        assert all(torch.equal(got.kv.tables[name], want.kv.tables[name]) for name in got.kv.tables)
+        assert torch.equal(got.kv.positions, want.kv.positions)
+        torch.testing.assert_close(got.kv.keys, want.kv.keys, **tolerance)
+        for name in got.kv.tables:
+            torch.testing.assert_close(got.kv.tables[name], want.kv.tables[name], **tolerance)
