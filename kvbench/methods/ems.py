@@ -46,8 +46,9 @@ does not say; so members keep their norms exactly).
   rho_j = ||k_j|| / ||k_c||, so one query attends to the stored slots with slot c weighing
   exp(l_c) + sum_j exp(rho_j l_c) (``kernels.lut_attention``, reading K and V once; the expansion's
   ``CentreMembers``); passes of several queries, and "w. pos", read the view (``kernels.lut_expand``). The
-  members' centre slots are found by position at every pass (``kernels.lut_expand.centre_slots``, a sort of the
-  stored positions).
+  members' centre slots are found by position at every pass (``kernels.lut_expand.centre_slots``: through a map
+  from position to slot where the pass knows a bound on the positions, as every decode step does, else a sort of
+  the stored positions).
 - ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
   with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
