@@ -208,7 +208,7 @@ def centre_slots(positions: Tensor, lengths: Tensor, centre: Tensor, position_li
     """Triton ``lut_expand.centre_slots``."""
     B, H, T = positions.shape
     if position_limit is not None:
-        position_map = torch.empty(B, H, max(position_limit, 1), dtype=torch.int32, device=positions.device)
+        position_map = torch.empty(B, H, position_limit, dtype=torch.int32, device=positions.device)
         return slots_through_map(positions, lengths, centre, position_map)
     E = centre.shape[-1]
     stored = torch.empty(B, H, T, dtype=torch.int32, device=positions.device)

@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvbench.errors import ConfigError
-from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score
+from kvbench.kernels.ems_step import ems_observe, ems_step, global_local_score, tbm_share
 from kvbench.kernels.lut_expand import centre_slots, expand_lut
 from kvbench.kernels.merge import group_sum, scatter_merge
 from kvbench.kernels.redundancy import SIMILARITIES, most_redundant, rotate_like
@@ -247,16 +247,12 @@ class EMS(Method):
         local = valid & (slots >= (lengths - n_loc).unsqueeze(-1))
         candidate = valid & ~local
         n_imp = n_keep - n_loc
-        if math.isinf(self.gamma):
-            n_tbm = torch.full_like(n_keep, T)
-        else:
-            n_tbm = torch.floor((self.gamma - 1) * n_keep.double() + 0.5).long()
-        n_tbm = torch.minimum(n_tbm, (candidate.sum(-1) - n_imp).clamp(min=0))
+        n_tbm = torch.minimum(tbm_share(n_keep, self.gamma), (candidate.sum(-1) - n_imp).clamp(min=0))
         order = torch.where(candidate, score, -torch.inf).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, slots.expand_as(order).contiguous())
         imp = candidate & (rank < n_imp.unsqueeze(-1))
         if host is not None:
-            M = self._most_tbm(T, host)
+            M = self._most_tbm(host)
         else:
             M = int(n_tbm.max()) if n_tbm.numel() else 0
         offset = torch.arange(M, device=score.device).view(1, 1, -1)
@@ -264,12 +260,11 @@ class EMS(Method):
         tbm_slots = order.gather(-1, (n_imp.unsqueeze(-1) + offset).clamp(max=T - 1))
         return local, imp, tbm_slots, tbm_valid
 
-    def _most_tbm(self, T: int, host: HostSizes) -> int:
+    def _most_tbm(self, host: HostSizes) -> int:
         """M of ``_partition`` from the host's sizes: the window and Imp take ``min(N_budget, length)`` slots of a
         row, so TBM takes at most the rest of it."""
         keep = host.kept()
-        n_tbm = np.full_like(keep, T) if math.isinf(self.gamma) else \
-            np.floor((self.gamma - 1) * keep.astype(np.float64) + 0.5).astype(np.int64)
+        n_tbm = tbm_share(torch.from_numpy(keep), self.gamma).numpy()
         return int(np.minimum(n_tbm, host.lengths - keep).max(initial=0))
 
     def _destinations(self, kv: LayerKV, raw_keys: Tensor, imp: Tensor, tbm_slots: Tensor,
