@@ -187,9 +187,9 @@ def _programs_wanted(device: torch.device) -> int:
 MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile
 
 
-def split_plan(span: int, rows: int, device: torch.device) -> tuple[int, int]:
-    """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots."""
-    block_n = DECODE_TILES[0]
+def split_plan(span: int, rows: int, device: torch.device, block_n: int = DECODE_TILES[0]) -> tuple[int, int]:
+    """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots, each split whole
+    tiles of ``block_n`` slots."""
     tiles = max(1, triton.cdiv(span, block_n))
     n_splits = max(1, min(tiles, MAX_SPLITS, triton.cdiv(_programs_wanted(device), rows)))
     split_size = triton.cdiv(tiles, n_splits) * block_n

@@ -41,6 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.redundancy import SIMILARITIES
+from kvbench.kernels.triton_decode import INTERPRETED
 from kvbench.kernels.triton_slots import (NO_POSITION, best_of_blocks, block_size, check_storage, fold_highest,
                                           fold_lowest, move_last, newest_position, ratio_bits, row_blocks, scan_tile,
                                           store_block)
@@ -52,9 +53,11 @@ BLOCK_C = 8192  # slots per tile of a row scan
 BLOCK_S = 32  # slots per tile of the redundancy scan
 BLOCK_E = 1024  # look-up-table entries per tile (a row's table is split over the same blocks as its slots)
 WARPS = 8
+REDUNDANCY_WARPS = 4  # at 1 x 8 x 6,555 and 32 x 8 x 3,277 slots on an H200, 4 warps ran 10-20 % faster than 8
 SCAN_WARPS = 16  # the TBM token's scans: one program per row, a whole tile of the row per load
 EPS = tl.constexpr(1e-12)  # F.normalize's
 REL_EPS = tl.constexpr(1e-4)  # rotate_like's
+INTERPRETED_ROUNDING = tl.constexpr(INTERPRETED)  # _rounded's bfloat16 rounding on the bits
 
 
 @triton.jit
@@ -115,9 +118,9 @@ def _tbm_kernel(pos_ptr, len_ptr, keep_ptr, glo_ptr, past_ptr, cur_ptr, t_ptr, r
 @triton.jit
 def _redundancy_kernel(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, r_ptr, at_pos_ptr, at_slot_ptr,
                        cos_ptr, sin_ptr, inv_freq_ptr, TABLE_ROWS, SCALING, past_ptr, lut_pos_ptr, lut_centre_ptr,
-                       lut_part_ptr, E, E_SPAN, C, D, DV, SPAN, NB, SIMILARITY: tl.constexpr,
-                       UNROTATE: tl.constexpr, FIXUP: tl.constexpr, TABLE: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_E: tl.constexpr):
+                       lut_part_ptr, E, E_SPAN, C, D: tl.constexpr, DV: tl.constexpr, SPAN, NB,
+                       SIMILARITY: tl.constexpr, UNROTATE: tl.constexpr, FIXUP: tl.constexpr, TABLE: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_E: tl.constexpr):
     """Phase 2. Unrotating, cos and sin come from the model's table, and a block that reads a position past it is
     marked (``past_ptr``); the same launch with ``FIXUP`` then redoes the marked blocks alone with cos and sin
     computed (one kernel holding both ways spilled registers and ran slower than either)."""
@@ -144,9 +147,9 @@ def _redundancy_kernel(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, r_p
 
 @triton.jit
 def _block_redundancy(raw_ptr, v_ptr, pos_ptr, len_ptr, t_ptr, outside_ptr, rope_ptrs, TABLE_ROWS, SCALING, row,
-                      block, C, D, DV, SPAN, SIMILARITY: tl.constexpr, UNROTATE: tl.constexpr,
-                      FROM_TABLE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_DV: tl.constexpr):
+                      block, C, D: tl.constexpr, DV: tl.constexpr, SPAN, SIMILARITY: tl.constexpr,
+                      UNROTATE: tl.constexpr, FROM_TABLE: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):
     """The best redundancy of the row's TBM token among one block's centres: (R, its position, its slot), and
     (``FROM_TABLE``) whether a position read lies past the RoPE table."""
     t = tl.load(t_ptr + row)
@@ -223,12 +226,17 @@ def _raw_halves(first_ptr, second_ptr, mask, position, rope_ptrs, h, HALF, TABLE
 
 @triton.jit
 def _rounded(x, BF16: tl.constexpr):
-    """float32 ``x`` rounded to bfloat16 (``BF16``) or float16, to nearest even, as float32. The bfloat16 rounding
-    is done on the bits: Triton's interpreter truncates in its bfloat16 casts, where the GPU (and torch) round."""
+    """float32 ``x`` rounded to bfloat16 (``BF16``) or float16, to nearest even, as float32. Compiled, a cast
+    (one conversion instruction, which rounds as torch does); interpreted, the bfloat16 rounding is done on the
+    bits, because Triton's interpreter truncates in its bfloat16 casts. Compiled, the bit form (five integer
+    operations, six times a key element pair) made the redundancy launch 1.4x as long at 32 rows x 8 heads x 3,277
+    slots on an H200."""
     if BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        if INTERPRETED_ROUNDING:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        return x.to(tl.bfloat16).to(tl.float32)
     return x.to(tl.float16).to(tl.float32)
 
 
@@ -255,12 +263,11 @@ def _rotate_like(x1, x2, r1, r2, p1, p2):
 @triton.jit
 def _merge_kernel(k_ptr, raw_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, keep_ptr, glo_ptr, past_ptr, cur_ptr,
                   mass_ptr, tokens_ptr, bias_ptr, lut_part_ptr, lut_plan_ptr, lut_norm_plan_ptr, t_ptr, ratio_ptr,
-                  r_ptr, at_pos_ptr, at_slot_ptr, cos_ptr, sin_ptr, inv_freq_ptr, TABLE_ROWS, SCALING, H, C, D, DV, S,
-                  state_stride, E, NB, TAU,
-                  GAMMA_BITS, TBM_ALWAYS: tl.constexpr, LUT: tl.constexpr, TABLE: tl.constexpr,
-                  WITH_POSITIONS: tl.constexpr, BIAS: tl.constexpr, UNROTATE: tl.constexpr,
-                  BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+                  r_ptr, at_pos_ptr, at_slot_ptr, cos_ptr, sin_ptr, inv_freq_ptr, TABLE_ROWS, SCALING, H, C,
+                  D: tl.constexpr, DV: tl.constexpr, S, state_stride, E, NB, TAU, GAMMA_BITS, TBM_ALWAYS: tl.constexpr,
+                  LUT: tl.constexpr, TABLE: tl.constexpr, WITH_POSITIONS: tl.constexpr, BIAS: tl.constexpr,
+                  UNROTATE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + row)
     ratio = tl.load(ratio_ptr + row)
@@ -492,7 +499,8 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
                                        *rope_args, past, tables[0], tables[1], lut_part, E, E_SPAN, C, D, DV, span,
                                        NB, SIMILARITY=SIMILARITIES.index(similarity), UNROTATE=unrotate, FIXUP=fixup,
                                        TABLE=table, BLOCK_S=BLOCK_S, BLOCK_H=block_size(D // 2),
-                                       BLOCK_DV=block_size(DV), BLOCK_E=BLOCK_E, num_warps=WARPS)
+                                       BLOCK_DV=block_size(DV), BLOCK_E=BLOCK_E,
+                                       num_warps=REDUNDANCY_WARPS)
     gamma_bits = ratio_bits(None if math.isinf(gamma) else gamma - 1)
     _merge_kernel[(rows,)](keys, raw, values, positions, lengths, state, n_keep, *scores, merged_mass,
                            merged_tokens, merged_mass if logit_bias is None else logit_bias, lut_part, lut_plan,

@@ -1,0 +1,148 @@
+"""EMS's per-layer decode kernels at the engine's configuration, each kernel's device time.
+
+One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slots each (the budget plus the
+step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full, bfloat16 keys
+that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
+the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head. Each is
+captured as a CUDA graph of ``STEPS`` calls and replayed; the profiler's kernel times are per call.
+
+    python -m scripts.bench_ems_kernels --rows 1 --slots 6555
+    python -m scripts.bench_ems_kernels --rows 32 --slots 3277
+
+Tile settings are module constants of the kernels' modules; ``--set MODULE.NAME=VALUE`` (repeatable, a
+comma-separated list of values runs each) overrides one for a run, to compare tilings inside one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvbench.kernels import triton_decode, triton_ems_step, triton_lut_attention, triton_slots
+from kvbench.kernels.ems_step import ems_step
+from kvbench.kernels.lut_attention import lut_attention
+
+STEPS = 8
+MODULES = {"ems": triton_ems_step, "lut": triton_lut_attention, "decode": triton_decode, "slots": triton_slots}
+
+
+class TableRope:
+    """The engine's ``attention.Rope`` as ``ems_step`` reads it: Llama 3.1's frequencies and their table."""
+
+    def __init__(self, head_dim: int, device: torch.device, positions: int = 131072) -> None:
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+        self.frequencies = (inv_freq, 1.0)
+        angle = torch.arange(positions, device=device).float()[:, None] * inv_freq[None, :]
+        self._table = (angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16))
+
+    def table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        assert dtype == torch.bfloat16, dtype
+        return self._table
+
+
+def layer(args, device: torch.device) -> dict:
+    """Storage after a long prompt: positions an increasing sample of ``--context``, the newest last."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, H, C, D = args.rows, args.kv_heads, args.slots, args.head_dim
+    keep = C - 1
+    positions = torch.sort(torch.randperm(args.context - 1, generator=g)[:C - 1]).values
+    positions = torch.cat([positions, torch.tensor([args.context - 1])]).expand(B, H, C).contiguous()
+    E = int((args.gamma - 1) * keep)
+    used = torch.rand(B, H, E, generator=g) < args.table_fill
+    centres = positions.gather(2, torch.randint(0, C - 1, (B, H, E), generator=g))
+    return dict(keys=torch.randn(B, H, C, D, generator=g).to(device, torch.bfloat16),
+                values=torch.randn(B, H, C, D, generator=g).to(device, torch.bfloat16),
+                positions=positions.to(device), lengths=torch.full((B, H), C, device=device),
+                state=torch.rand(5, B, H, C, generator=g).to(device),
+                n_keep=torch.full((B,), keep, device=device),
+                lut=(torch.where(used, args.context + torch.arange(E), -1).to(device),
+                     torch.where(used, centres, -1).to(device),
+                     torch.where(used, 1.0, -1.0).float().to(device)),
+                member_slot=torch.randint(0, C - 1, (B, H, E), generator=g).to(device),
+                live=used.to(device),
+                query=torch.randn(B, H * args.group, 1, D, generator=g).to(device, torch.bfloat16))
+
+
+def timed(call, label: str) -> list[str]:
+    """Per-call device time of each kernel of ``call``, replayed from a CUDA graph of ``STEPS`` calls."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(STEPS):
+            call()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    replays = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.device_time / (replays * STEPS)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) * 1000 / (replays * STEPS)
+    lines = [f"  {label}: {wall:8.1f} us a call (graph wall), kernels {sum(kernels.values()):8.1f} us"]
+    lines += [f"      {us:8.1f} us  {name[:70]}" for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])]
+    return lines
+
+
+def _constant(text: str) -> int | tuple[int, ...]:
+    """An integer, or a tuple of integers written with colons (``64:4:3``)."""
+    return tuple(int(v) for v in text.split(":")) if ":" in text else int(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1, help="batch rows (each --kv-heads heads)")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=6555, help="stored slots a head (budget + 1)")
+    parser.add_argument("--context", type=int, default=32768, help="positions the slots are sampled from")
+    parser.add_argument("--gamma", type=float, default=4.0)
+    parser.add_argument("--table-fill", type=float, default=0.9)
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=V1,V2",
+                        help=f"override a tile constant (a tuple: 64:4:3); modules: {', '.join(MODULES)}")
+    parser.add_argument("--only", choices=("ems_step", "lut_attention"), default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rope = TableRope(args.head_dim, device)
+    overrides = [(name.split(".", 1), [_constant(v) for v in values.split(",")])
+                 for name, values in (item.split("=", 1) for item in args.set)]
+    for choice in itertools.product(*(values for _, values in overrides)):
+        for ((module, name), _), value in zip(overrides, choice):
+            setattr(MODULES[module], name, value)
+        label = ", ".join(f"{m}.{n}={v}" for ((m, n), _), v in zip(overrides, choice)) or "as committed"
+        print(f"== {args.rows} rows x {args.kv_heads} heads x {args.slots} slots; {label}", flush=True)
+        s = layer(args, device)
+        scaling = args.head_dim ** -0.5
+        if args.only != "lut_attention":
+            # tau 0: every step merges (the table's and the merge's work every time)
+            def step():
+                ems_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], None, tuple(s["state"][:3]),
+                         (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 32, 0.0, args.gamma,
+                         "key_value", False, rope)
+                s["lengths"].fill_(args.slots)  # the next step's appended token
+            print("\n".join(timed(step, "ems_step")), flush=True)
+        if args.only != "ems_step":
+            def attend():
+                lut_attention(s["query"], s["keys"], s["values"], s["lengths"], s["member_slot"], s["lut"][2],
+                              s["live"], scaling, want_step=True)
+            print("\n".join(timed(attend, "lut_attention")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
