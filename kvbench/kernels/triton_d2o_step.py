@@ -57,11 +57,8 @@ def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, ol
 
 
 @triton.jit
-def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, C,
-                  D: tl.constexpr, SPAN, NB, VNB, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_VNB: tl.constexpr):
-    """D is a constant of the compilation, so that the key tiles' row strides and masks are known: the loads are
-    then vectorised."""
+def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr, at_pos_ptr, at_slot_ptr, C, D,
+                  SPAN, NB, VNB, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_VNB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     victim = fold_blocks(low_ptr, low_pos_ptr, low_slot_ptr, row, VNB, BLOCK_VNB)
