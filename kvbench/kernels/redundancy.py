@@ -36,11 +36,16 @@ def compared(keys: Tensor, values: Tensor, similarity: str) -> list[Tensor]:
     return {"key_value": [keys, values], "key": [keys], "value": [values]}[similarity]
 
 
-def unit_redundancy(units_a: list[Tensor], units_b: list[Tensor]) -> Tensor:
-    """R of unit vectors: the product over the pairs (a, b) of max(0, a b^T), (B, H, M, N) float32."""
-    R = (units_a[0] @ units_b[0].transpose(-1, -2)).clamp_(min=0)
-    for a, b in zip(units_a[1:], units_b[1:]):
-        R.mul_((a @ b.transpose(-1, -2)).clamp_(min=0))
+def unit_redundancy(units_a: list[Tensor], units_b: list[Tensor], out: list[Tensor] | None = None) -> Tensor:
+    """R of unit vectors: the product over the pairs (a, b) of max(0, a b^T), (B, H, M, N) float32.
+    ``out``: (B, H, M, N) float32 blocks, one per pair, that the cosines are written into (R is the first); a
+    caller that reuses them saves the page faults of a fresh block per call, which on the CPU cost about as
+    much as the products."""
+    products = [torch.matmul(a, b.transpose(-1, -2), out=None if out is None else block)
+                for a, b, block in zip(units_a, units_b, out or [None] * len(units_a))]
+    R = products[0].clamp_(min=0)
+    for cosine in products[1:]:
+        R.mul_(cosine.clamp_(min=0))
     return R
 
 
@@ -74,10 +79,13 @@ def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_cou
 
     features = compared(raw_keys, values, similarity)
     target_units = [unit_keys(rows(x, targets)) for x in features]  # normalised once for every chunk
+    blocks = [target_units[0].new_empty(B, H, min(chunk, M), C) for _ in features]  # reused by every chunk
+    ragged = bool((target_count < C).any())  # else no target needs masking
     for start in range(0, M, chunk):
         part = sources[..., start:start + chunk]
-        R = unit_redundancy([unit_keys(rows(x, part)) for x in features], target_units)
-        top, arg = R.masked_fill_(~target_ok, -float("inf")).max(-1)  # (B, H, chunk)
+        R = unit_redundancy([unit_keys(rows(x, part)) for x in features], target_units,
+                            [block[..., :part.shape[-1], :] for block in blocks])
+        top, arg = (R.masked_fill_(~target_ok, -float("inf")) if ragged else R).max(-1)  # (B, H, chunk)
         best[..., start:start + chunk] = top
         match[..., start:start + chunk] = torch.where(torch.isfinite(top), targets.gather(-1, arg), -1)
     real = torch.arange(M, device=sources.device).view(1, 1, -1) < source_count.unsqueeze(-1)
