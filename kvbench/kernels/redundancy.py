@@ -50,9 +50,10 @@ def unit_redundancy(units_a: list[Tensor], units_b: list[Tensor], out: list[Tens
 
 
 def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
-                   target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+                   target_count: Tensor, similarity: str, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """Each source's most redundant target (EMS Eq. 5), ``chunk`` sources at a time: memory O(chunk x targets),
-    never the whole (sources x targets) block.
+    never the whole (sources x targets) block (512: on the CPU 28 % faster than 1024 at EMS's 4k prompt on
+    SmolLM2, 2,457 sources x 787 targets a head; the same float32 products at any chunk).
 
     raw_keys, values: (B, H, T, D); sources (B, H, M) and targets (B, H, C): slot indices, the first
     ``source_count`` / ``target_count`` (B, H) of each row real. Returns (best, match), both (B, H, M): the
