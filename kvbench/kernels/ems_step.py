@@ -116,36 +116,39 @@ def ems_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     lowest = candidate & (score == torch.where(candidate, score, torch.inf).amin(-1, keepdim=True))
     t = torch.where(lowest, positions, -1).argmax(-1)  # (B, H): ties to the newest position
     centre = candidate & (slots != t.unsqueeze(-1))
-    R = redundancy(_at(raw_keys, t), _at(values, t), raw_keys, values, similarity).squeeze(2)  # (B, H, C)
+    of_t = [_at(x, t) for x in (raw_keys, keys, values)]  # t's rows (B, H, 1, D), which the merge leaves as they are
+    R = redundancy(of_t[0], of_t[2], raw_keys, values, similarity).squeeze(2)  # (B, H, C)
     R = torch.where(centre, R, -1.0)
     best = R.amax(-1)
     d = torch.where(centre & (R == best.unsqueeze(-1)), positions, torch.iinfo(positions.dtype).max).argmin(-1)
     merged = (tbm_share(keep, gamma) >= 1) & (best >= tau)  # (B, H); else t goes to the zero class
+    norm_t = of_t[1].float().norm(dim=-1)  # (B, H, 1)
     _merge(keys, values, raw_keys, score, merged_mass, merged_tokens, logit_bias, t, d, merged, lut is not None,
-           with_positions)
+           with_positions, (*of_t, norm_t))
     if lut is not None and lut[0].shape[-1]:
-        _update_lut(*lut, positions.gather(2, t.unsqueeze(-1)), positions.gather(2, d.unsqueeze(-1)),
-                    keys.float().norm(dim=-1).gather(2, t.unsqueeze(-1)), merged.unsqueeze(-1))
+        _update_lut(*lut, positions.gather(2, t.unsqueeze(-1)), positions.gather(2, d.unsqueeze(-1)), norm_t,
+                    merged.unsqueeze(-1))
     move_last_into(t, lengths, keys, values, positions, state)
 
 
 def _merge(keys, values, raw_keys, score, merged_mass, merged_tokens, logit_bias, t, d, merged, lut: bool,
-           with_positions: bool) -> None:
-    """Merge slot t into slot d (B, H) where ``merged``: d's key, value and merge state (see ems_step)."""
+           with_positions: bool, of_t: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    """Merge slot t into slot d (B, H) where ``merged``: d's key, value and merge state (see ems_step). ``of_t``:
+    t's raw key, key and value (B, H, 1, D) and its key's norm (B, H, 1)."""
+    raw_t, key_t, value_t, norm_t = of_t
+    raw_d, key_d, value_d = (_at(x, d) for x in (raw_keys, keys, values))
     weight = score + merged_mass  # (B, H, C)
     w_t, w_d = (weight.gather(2, i.unsqueeze(-1)) for i in (t, d))  # (B, H, 1)
     mass = w_t + w_d
     f_t, f_d = (torch.where(mass > 0, w / mass.clamp(min=1e-30), 0.5).unsqueeze(-1) for w in (w_t, w_d))
-    u_t, u_d = unit_keys(_at(raw_keys, t)), unit_keys(_at(raw_keys, d))  # (B, H, 1, D)
-    shared = unit_keys(u_d * f_d + u_t * f_t)  # the merged raw direction
-    norm_t, norm_d = (_at(keys, i).float().norm(dim=-1, keepdim=True) for i in (t, d))
+    shared = unit_keys(unit_keys(raw_d) * f_d + unit_keys(raw_t) * f_t)  # the merged raw direction
+    norm_t, norm_d = norm_t.unsqueeze(-1), key_d.float().norm(dim=-1, keepdim=True)
     if lut or not with_positions:
-        key = rotate_like(shared, _at(raw_keys, d), _at(keys, d))
+        key = rotate_like(shared, raw_d, key_d)
         key = key * (norm_d if lut else norm_d * f_d + norm_t * f_t)
     else:  # each member expanded at its own position, the entry their weighted mean
-        key = (rotate_like(shared, _at(raw_keys, d), _at(keys, d)) * norm_d * f_d
-               + rotate_like(shared, _at(raw_keys, t), _at(keys, t)) * norm_t * f_t)
-    value = _at(values, d).float() * f_d + _at(values, t).float() * f_t
+        key = rotate_like(shared, raw_d, key_d) * norm_d * f_d + rotate_like(shared, raw_t, key_t) * norm_t * f_t
+    value = value_d.float() * f_d + value_t.float() * f_t
     row = merged.view(*merged.shape, 1, 1)
     for x, new in ((keys, key), (values, value)):
         at_d = d.view(*d.shape, 1, 1).expand(-1, -1, 1, x.shape[-1])

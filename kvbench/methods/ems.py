@@ -310,10 +310,12 @@ class EMS(Method):
         out.state["merged_mass"] = torch.where(out.valid(), mass - own_score, 0.0)
         tokens = group_sum(kv.state["merged_tokens"] + 1, target, G)  # (B, H, G) original tokens per entry
         out.state["merged_tokens"] = torch.where(out.valid(), tokens - 1, 0.0)
+        norms = kv.keys.float().norm(dim=-1)  # (B, H, T): the LUT's and the merged keys' (RoPE keeps norms)
         if self.expansion == "lut":
             size = self._lut_size(tbm_slots.shape[-1], budget)
             lut = kv.tables.get(LUT_POSITION)
-            out.tables = self._lut(kv, target, index, out.positions, max(size, 0 if lut is None else lut.shape[-1]))
+            out.tables = self._lut(kv, norms, target, index, out.positions,
+                                   max(size, 0 if lut is None else lut.shape[-1]))
         elif self.multiplicity_bias:
             out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
         merged = (members > 1).unsqueeze(-1)
@@ -321,14 +323,16 @@ class EMS(Method):
         # the zero class (read back only without ``host``; with it the merge below keeps every entry as it is)
         if tbm_slots.shape[-1] == 0 or (host is None and not bool(merged.any())):
             return out
-        out.keys = torch.where(merged, self._merged_keys(kv, raw_keys, target, w, index), out.keys)
+        out.keys = torch.where(merged, self._merged_keys(kv, norms, raw_keys, target, w, index), out.keys)
         out.values = torch.where(merged, scatter_merge(kv.values, target, w, G), out.values)
         return out
 
-    def _merged_keys(self, kv: LayerKV, raw_keys: Tensor, target: Tensor, w: Tensor, index: Tensor) -> Tensor:
-        """(B, H, G, D): per entry, the w-weighted mean of its members' expanded keys (see module doc)."""
+    def _merged_keys(self, kv: LayerKV, norms: Tensor, raw_keys: Tensor, target: Tensor, w: Tensor,
+                     index: Tensor) -> Tensor:
+        """(B, H, G, D): per entry, the w-weighted mean of its members' expanded keys (see module doc); ``norms``
+        (B, H, T): the stored keys' norms."""
         G = index.shape[-1]
-        norms = kv.keys.float().norm(dim=-1, keepdim=True)  # (B, H, T, 1): RoPE keeps norms
+        norms = norms.unsqueeze(-1)  # (B, H, T, 1)
         shared = unit_keys(scatter_merge(unit_keys(raw_keys), target, w, G))  # k_hat_c, renormalised
         if self.positions == "without" or self.expansion == "lut":
             d_index = index.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1])
@@ -357,15 +361,16 @@ class EMS(Method):
             row.tables = {name: t[..., :size].contiguous() for name, t in row.tables.items()}
         return row
 
-    def _lut(self, kv: LayerKV, target: Tensor, index: Tensor, centres: Tensor, size: int) -> dict[str, Tensor]:
+    def _lut(self, kv: LayerKV, norms: Tensor, target: Tensor, index: Tensor, centres: Tensor,
+             size: int) -> dict[str, Tensor]:
         """The LUT after a compression, ``size`` entries per head: members already in it follow their centre's
         slot to the entry that slot went to, or leave with it (zero class, first-level eviction); slots merged
         into another slot's entry join; the ``size`` newest members stay (see the module doc) [I].
         ``target`` (B, H, T): entry of every input slot or -1; ``index`` (B, H, G): the slot each entry keeps;
-        ``centres`` (B, H, G): the entries' positions."""
+        ``centres`` (B, H, G): the entries' positions; ``norms`` (B, H, T): the input slots' key norms."""
         slots = torch.arange(target.shape[-1], device=target.device)
         joins = (target >= 0) & (index.gather(-1, target.clamp(min=0)) != slots)
-        groups, positions, norms = [torch.where(joins, target, -1)], [kv.positions], [kv.keys.float().norm(dim=-1)]
+        groups, positions, norms = [torch.where(joins, target, -1)], [kv.positions], [norms]
         if LUT_POSITION in kv.tables:
             slot, live = centre_slots(kv.positions, kv.lengths, kv.tables[LUT_CENTRE])
             groups.append(torch.where(live, target.gather(-1, slot), -1))
