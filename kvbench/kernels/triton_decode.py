@@ -187,7 +187,7 @@ def _programs_wanted(device: torch.device) -> int:
 MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile
 
 
-def split_plan(span: int, rows: int, device: torch.device, block_n: int = DECODE_TILES[0]) -> tuple[int, int]:
+def split_plan(span: int, rows: int, device: torch.device, block_n: int) -> tuple[int, int]:
     """(split_size, n_splits) for ``rows`` = B * H_kv programs per split over ``span`` slots, each split whole
     tiles of ``block_n`` slots."""
     tiles = max(1, triton.cdiv(span, block_n))
@@ -206,7 +206,8 @@ def decode_attention(
     Hkv, C, DV = keys.shape[1], keys.shape[2], values.shape[-1]
     group = Hq // Hkv
     block_m, block_dv = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(DV))
-    split_size, n_splits = split_plan(span, B * Hkv, query.device)
+    block_n, warps, stages = DECODE_TILES  # read at the call: scripts/bench_attention.py sweeps them
+    split_size, n_splits = split_plan(span, B * Hkv, query.device, block_n)
     m = torch.empty(B * Hq * n_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * Hq * n_splits, block_dv, dtype=torch.float32, device=query.device)
@@ -215,7 +216,6 @@ def decode_attention(
     bias_strides = key_bias.stride() if key_bias is not None else (0, 0, 0)
     lengths = lengths.contiguous()
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    block_n, warps, stages = DECODE_TILES
     block_d = max(16, triton.next_power_of_2(D))
     _decode_partials[(n_splits, B * Hkv)](
         query, keys, values, lengths, bias, logits, m, l, acc,

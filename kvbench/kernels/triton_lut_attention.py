@@ -236,8 +236,7 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
         query, keys, lengths, logits, norms, slot_max, member_weights, query.stride(0), query.stride(1),
         query.stride(3), *keys.stride(), H, T, D, split_size, n_splits, scaling,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=D == block_d, UPCAST=INTERPRETED,
-        PRECISION=precision,
-        num_warps=warps, num_stages=stages,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
     )
     _member_logits[(n_member_splits, B * H)](
         logits, norms, member_slot, member_norm.float().contiguous(), live,
@@ -249,8 +248,8 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
     )
     _weighted_values[(n_splits, B * H)](
         values, logits, member_weights, top, acc, sums, *values.stride(), H, T, DV, split_size, n_splits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv, EVEN_D=DV == block_dv, WANT_STEP=want_step,
-        UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv, EVEN_D=DV == block_dv,
+        WANT_STEP=want_step, UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
     out = query.new_empty(B, Hq, 1, DV)
     step = torch.empty(B, H, T, **f32) if want_step else out
