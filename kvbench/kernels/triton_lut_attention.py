@@ -137,7 +137,11 @@ def _member_weights(
     member = tl.load(mlogit_ptr + q_rows[:, None] * E + j[None, :], mask=inside, other=float("-inf"))
     live = member > float("-inf")
     slot = tl.load(slot_ptr + row * E + j, mask=j < E, other=0)
-    tl.atomic_add(mweight_ptr + q_rows[:, None] * T + slot[None, :], tl.exp(member - top[:, None]), mask=live)
+    # relaxed: nothing reads the sums before the launch ends. The default (acq_rel) compiles to a returning atom.acq_rel
+    # an element, the relaxed add to a fire-and-forget red: 24.2 -> 10.2 us at 1 row x 8 heads x 6,555 slots and
+    # 237 -> 106 us at 32 x 8 x 3,277 on an H200 (scripts/bench_ems_kernels.py)
+    tl.atomic_add(mweight_ptr + q_rows[:, None] * T + slot[None, :], tl.exp(member - top[:, None]), mask=live,
+                  sem="relaxed")
 
 
 @triton.jit

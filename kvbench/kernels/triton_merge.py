@@ -2,7 +2,8 @@
 
 One program per (slot tile, b, h): it weights its slots and adds them into their groups with float32
 atomics. Targets are arbitrary (Chelsea's matching is not contiguous), so no segment order is assumed;
-the order of the additions varies on a GPU, hence results equal the reference within float32 rounding.
+the order of the additions varies on a GPU, hence results equal the reference within float32 rounding. The
+atomics are relaxed: nothing reads the sums before the launch ends (``triton_lut_attention._member_weights``).
 Inputs are cast to float32 after loading (Triton's CPU interpreter cannot compute on bfloat16).
 """
 
@@ -32,9 +33,9 @@ def _scatter_merge(
         both = keep[:, None] & (d[None, :] < D)
         x = tl.load(x_ptr + b * sxb + h * sxh + slots[:, None] * sxt + d[None, :] * sxd, mask=both, other=0.0)
         tl.atomic_add(out_ptr + (pid_bh * G + tgt[:, None]) * D + d[None, :], x.to(tl.float32) * w[:, None],
-                      mask=both)
+                      mask=both, sem="relaxed")
     else:
-        tl.atomic_add(out_ptr + pid_bh * G + tgt, w, mask=keep)
+        tl.atomic_add(out_ptr + pid_bh * G + tgt, w, mask=keep, sem="relaxed")
 
 
 def scatter_merge(x: Tensor, target: Tensor, weight: Tensor, num_groups: int) -> Tensor:
