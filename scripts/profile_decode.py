@@ -119,6 +119,41 @@ def kernel_table(prof, count: int, top: int) -> tuple[list[str], float, float]:
     return lines, gpu_ms, kernels
 
 
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def timeline_lines(prof, count: int) -> list[str]:
+    """Where a step's wall time on the device goes, from the kernels' start and end: the step's span (first kernel
+    start to last kernel end, averaged over ``count`` back-to-back steps), the time some kernel runs, the time none
+    does (launch gaps), and the kernels' total time over the time they run (how many run at once: a decode
+    step's per-layer side lanes, ``engine.LayerLanes``, overlap the pass). Streams are not told apart: inside a
+    graph replay, CUPTI reports the driver's own streams for the branches."""
+    kernels = sorted((event.time_range.start, event.time_range.end)
+                     for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels or len(kernels) % count:
+        return [f"    timeline: {len(kernels)} kernels do not split into {count} equal steps"]
+    per_step = len(kernels) // count
+    span = running = total = 0.0
+    for i in range(count):
+        step = kernels[i * per_step:(i + 1) * per_step]
+        span += max(end for _, end in step) - step[0][0]
+        running += _covered(_union(step))
+        total += sum(end - start for start, end in step)
+    return [f"    timeline: span {span / count / 1e3:.3f} ms a step = kernels running {running / count / 1e3:.3f} + "
+            f"none {(span - running) / count / 1e3:.3f}; {total / max(running, 1e-9):.2f} kernels at once on average"]
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
@@ -139,6 +174,7 @@ def main() -> None:
             kv_bytes = float(session.cache.row_bytes().sum())
             bound = tpot_bound_seconds(parameter_bytes_read(lm.model, 1), kv_bytes, bandwidth)
             lines, gpu_ms, kernels = kernel_table(prof, args.steps, args.top)
+            lines += timeline_lines(prof, args.steps)
             print(f"== {name} {mode}: {seconds * 1e3:.2f} ms per step (host included); bytes-read bound "
                   f"{bound * 1e3:.2f} ms at {bandwidth / 1e12:.2f} TB/s: achieved fraction {bound / seconds:.2f}")
             print("\n".join(lines), flush=True)

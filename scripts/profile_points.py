@@ -27,7 +27,7 @@ from kvbench.engine import Engine, _sync
 from kvbench.hardware import copy_bandwidth, parameter_bytes_read, tpot_bound_seconds
 from kvbench.shared_prefill import prefill_points
 from scripts.bench_decode_loop import prompts, ragged
-from scripts.profile_decode import configs, kernel_table, kvbench_source
+from scripts.profile_decode import configs, kernel_table, kvbench_source, timeline_lines
 
 
 def operator_table(prof, count: int, top: int) -> tuple[list[str], float, float]:
@@ -80,6 +80,8 @@ def profile_points(engines: list[Engine], batch: list[list[int]], steps: int, to
     replays = decode.replays
     decode.close()
     lines, gpu_ms, kernels = kernel_table(prof, steps, top) if cuda else operator_table(prof, steps, top)
+    if cuda:
+        lines += timeline_lines(prof, steps)
     layers = engines[0].model.config.num_hidden_layers
     print(f"== {label}: {len(engines)} points x {len(batch)} rows, {replays} replays: {seconds * 1e3:.2f} ms per "
           f"step; bytes-read bound {bound * 1e3:.2f} ms (fraction {bound / seconds:.2f}); "
