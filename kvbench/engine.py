@@ -17,9 +17,10 @@ static-capacity storage (budget plus the slots decoding adds before the next com
 
 Decode steps make every shape decision on the host (``CompressedLayer.host_lengths``); methods that evict
 one slot per step (``Method.evict_one``) do it in place, so a step is a fixed sequence of kernels that never
-waits for the device (``engine.cuda_graphs`` replays it as one CUDA graph, ``kvbench.graphs``). After the
-pass, the layers' observations and in-place evictions, independent of each other, run on ``LAYER_STREAMS`` side
-streams that join the step's stream before it ends (``layer_lanes``): the same kernels on the same tensors.
+waits for the device (``engine.cuda_graphs`` replays it as one CUDA graph, ``kvbench.graphs``). On a GPU, each
+layer's observation and in-place eviction, independent of the other layers, forks to one of ``LAYER_STREAMS`` side
+streams right after the layer's attention, overlapping the rest of the pass, and the streams join the step's
+stream before it ends (``LayerLanes``): the same kernels on the same tensors.
 Everything else (multi-token passes, decode intervals > 1, rows over budget by more than one slot) runs the method's
 ``compress`` on the row-ordered cache, the reference path (``decode_path="compress"`` forces it); when only
 some rows are over budget (rows that joined at different times), on those rows alone. Decode intervals count
@@ -58,8 +59,8 @@ DATA_DRIVEN_HEADROOM = 0.25  # a decode batch's room for later rows, at points w
 # a row wider than the positions need.
 POSITION_LIMIT_STEP = 4096
 # CUDA streams a decode step's per-layer observation and in-place eviction spread over (layer l on stream
-# l % LAYER_STREAMS; 1: in line). The layers' evictions touch only their own storage, and each is a few
-# latency-bound launches of a few microseconds, so run one after another they leave most of the device idle.
+# l % LAYER_STREAMS; 1: in line, after the pass). The layers' evictions touch only their own storage, and each is a
+# few latency-bound launches of a few microseconds, so run one after another they leave most of the device idle.
 # Replayed 64k steps at batch 1 (H200): CaM -9.6 %, D2O -8.5 %, WeightedKV -8 %, TOVA -5.6 %, H2O -4.5 % with
 # 32 streams (8 gave about 1 % less); CaM's 16k step of 3 points x 2 rows -20 %.
 LAYER_STREAMS = 32
@@ -75,25 +76,37 @@ def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, 
     return tuple(torch.cuda.Stream(device) for _ in range(count))
 
 
-@contextmanager
-def layer_lanes(device: torch.device, count: int):
-    """Yields ``lane``: ``with lane(index)`` runs layer ``index``'s work on side stream ``index % count``. The side
-    streams wait for what the current stream holds when the block opens, and the current stream waits for all
-    of them when it closes, so the block is one step of the current stream's order (inside a CUDA graph's
-    capture too: the side streams fork from the captured stream and join it). In line on a CPU or with count 1.
-    Memory that lane work allocates is its own stream's; what it reads from the current stream's work is freed,
-    if at all, after the join."""
-    if device.type != "cuda" or count <= 1:
-        yield lambda index: nullcontext()
-        return
-    current, lanes = torch.cuda.current_stream(device), _side_streams(device, count)
-    for lane in lanes:
-        lane.wait_stream(current)
-    try:
-        yield lambda index: torch.cuda.stream(lanes[index % count])
-    finally:
-        for lane in lanes:
-            current.wait_stream(lane)
+class LayerLanes:
+    """A decode pass's per-layer work on side streams: ``with lanes.fork(index)`` runs layer ``index``'s work on
+    side stream ``index % count``, after everything the current stream holds when it is called (inside the pass:
+    the layer's attention), and ``join`` makes the current stream wait for every lane forked since the last join,
+    so the pass and its lanes are one step of the current stream's order (inside a CUDA graph's capture too: the
+    side streams fork from the captured stream and join it). In line on a CPU or with count 1 (``spread`` False).
+    Memory that lane work allocates is its own stream's; what it reads from the current stream's work must stay
+    alive until the join (the layer's storage and its ``pass_stats``, replaced only by the next pass)."""
+
+    def __init__(self, device: torch.device, count: int) -> None:
+        self.spread = device.type == "cuda" and count > 1
+        self.count = count
+        self.current = torch.cuda.current_stream(device) if self.spread else None
+        self.lanes = _side_streams(device, count) if self.spread else ()
+        self.forked: set[int] = set()
+
+    @contextmanager
+    def fork(self, index: int):
+        if not self.spread:
+            yield
+            return
+        lane = index % self.count
+        self.lanes[lane].wait_stream(self.current)
+        self.forked.add(lane)
+        with torch.cuda.stream(self.lanes[lane]):
+            yield
+
+    def join(self) -> None:
+        for lane in sorted(self.forked):
+            self.current.wait_stream(self.lanes[lane])
+        self.forked.clear()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -192,6 +205,9 @@ class Session:
     placed_copies: int = 0  # a prefilled row: copies a ``DecodeBatch`` has placed (then its cache is freed)
     row_steps: np.ndarray | None = None
     timer: DeviceTimer | None = None
+    # the pass in progress: its side streams, and the layers whose observation and eviction it forked there
+    lanes: LayerLanes | None = field(default=None, repr=False)
+    forked_layers: set[int] = field(default_factory=set, repr=False)
     _seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def __post_init__(self) -> None:
@@ -261,6 +277,9 @@ class Session:
         plan = PassPlan(query_positions=index, num_queries=torch.full((index.shape[0],), q, device=device),
                         wanted=method.needed_stats("decode") if observing else frozenset(), window=method.window,
                         static_shapes=static_shapes, expand=engine.expand, position_limit=self.position_limit(q))
+        self.lanes, self.forked_layers = (LayerLanes(engine.device, LAYER_STREAMS) if observing else None), set()
+        if observing and self.lanes.spread:
+            plan.after_layer = partial(self._observe_and_compress_in_pass, phase == "decode", q)
         return plan, engine._rope_positions(self.cache, index)
 
     def position_limit(self, q: int) -> int:
@@ -304,17 +323,34 @@ class Session:
             return "rows"
         return "in_place" if self.engine.in_place_eviction(1) and (excess == 1).all() else "compress"
 
+    def _observe_and_compress_in_pass(self, decode: bool, q: int, index: int) -> None:
+        """``PassPlan.after_layer`` of a pass whose lanes spread: layer ``index``'s observation and in-place
+        eviction forked to its side stream right after its attention, so that they overlap the later layers'
+        forward instead of following the pass (replayed 64k steps at batch 1 on an H200, against the lanes after
+        the pass: D2O -2.7 %, CaM -2.3 %, H2O -1.3 %). They touch only the layer's own storage and state, which
+        the rest of the pass does not read. A compression stays for after the pass, on the step's own stream: it
+        allocates storage that the step goes on using."""
+        layer = self.cache.layers[index]
+        due = self.due_rows(ahead=1) if decode else np.zeros(len(self.row_steps), bool)  # after_pass's due rows
+        action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
+        if action == "none" or (action == "in_place" and q == 1):
+            with torch.inference_mode(), self.lanes.fork(index):
+                self._observe_and_compress_layer(index, layer, action, due, q)
+            self.forked_layers.add(index)
+
     def _observe_and_compress(self, compress: bool, q: int) -> None:
-        engine, cache = self.engine, self.cache
+        """Every layer's observation and eviction that the pass did not fork, in line, then the join of the pass's
+        lanes."""
+        lanes, forked = self.lanes, self.forked_layers
+        self.lanes, self.forked_layers = None, set()
         due = self.due_rows() if compress else np.zeros(len(self.row_steps), bool)
-        actions = [self.eviction(index, layer.host_lengths, due) if due.any() else "none"
-                   for index, layer in enumerate(cache.layers)]
-        # only in-place work runs beside the stream: a compression allocates storage the step goes on using
-        in_place = all(action == "none" or (action == "in_place" and q == 1) for action in actions)
-        with torch.inference_mode(), layer_lanes(engine.device, LAYER_STREAMS if in_place else 1) as lane:
-            for index, (layer, action) in enumerate(zip(cache.layers, actions)):
-                with lane(index):
+        with torch.inference_mode():
+            for index, layer in enumerate(self.cache.layers):
+                if index not in forked:
+                    action = self.eviction(index, layer.host_lengths, due) if due.any() else "none"
                     self._observe_and_compress_layer(index, layer, action, due, q)
+        if lanes is not None:
+            lanes.join()
 
     def _observe_and_compress_layer(self, index: int, layer: CompressedLayer, action: str, due: np.ndarray,
                                     q: int) -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,24 +112,44 @@ def test_in_place_eviction_keeps_what_compress_keeps(tiny_model, name):
                 assert table_entries(fast.kv, b, h) == table_entries(ref.kv, b, h)
 
 
+@pytest.mark.parametrize("name", ["h2o", "ems"])
 @pytest.mark.parametrize("path", DECODE_PATHS)
-def test_only_in_place_steps_spread_over_streams(tiny_model, monkeypatch, path):
-    """A decode step hands its layers to side streams (``layer_lanes``) only when every layer's work is in place:
-    a compression allocates storage that the step goes on using, so it stays on the step's own stream."""
-    asked = []
-    spread = engine_module.layer_lanes
+def test_only_in_place_work_forks_during_the_pass(tiny_model, monkeypatch, name, path):
+    """On a GPU, a decode pass forks each layer's observation and in-place eviction to a side stream right after the
+    layer's attention (``LayerLanes``); a compression stays for after the pass, on the step's own stream (it
+    allocates storage that the step goes on using). Here lanes that spread as on a GPU but run in line record the
+    forks: layer l's eviction then runs before layer l + 1's forward, and every step's logits stay those of the
+    step that evicts after the pass."""
+    forks = []
 
-    def recording(device, count):
-        asked.append(count)
-        return spread(device, count)
+    class InLine(engine_module.LayerLanes):
+        def __init__(self, device, count):
+            super().__init__(device, 1)
+            self.spread = count > 1
 
-    monkeypatch.setattr(engine_module, "layer_lanes", recording)
-    engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12), decode_path=path)
-    session = engine.prefill(random_prompts([45, 30], tiny_model.config.vocab_size), max_new_tokens=8)
-    asked.clear()
-    for _ in range(6):  # every step one slot over the budget: an eviction at each
-        session.feed(session.logits.argmax(-1).view(-1, 1))
-    assert asked == [engine_module.LAYER_STREAMS if path == "in_place" else 1] * 6
+        @contextmanager
+        def fork(self, index):
+            forks.append(index)
+            yield
+
+        def join(self):
+            pass
+
+    def decode(spread: bool) -> list[torch.Tensor]:
+        if spread:
+            monkeypatch.setattr(engine_module, "LayerLanes", InLine)
+        engine = Engine(tiny_model, build(name), Budget("tokens", 12), decode_path=path)
+        session = engine.prefill(random_prompts([45, 30], tiny_model.config.vocab_size), max_new_tokens=8)
+        forks.clear()
+        logits = [session.feed(session.logits.argmax(-1).view(-1, 1)) for _ in range(6)]  # an eviction at each
+        return logits
+
+    after_pass = decode(spread=False)
+    in_pass = decode(spread=True)
+    layers = tiny_model.config.num_hidden_layers
+    assert forks == (list(range(layers)) * 6 if path == "in_place" else [])
+    for a, b in zip(after_pass, in_pass):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", [case for case in CASES if build(case).evicts_in_place])
