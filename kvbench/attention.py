@@ -159,7 +159,9 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
 
     A method that expands its stored slots (``Method.expand``) has attention read the expansion instead, over
     its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots;
-    one query over members of stored slots (``Expansion.members``) attends from the slots (``lut_attention``)."""
+    one query over members of stored slots (``Expansion.members``) attends from the slots (``lut_attention``).
+    One query's step attention over the slots comes back pending (``AttentionStats.pending_step``): its last
+    launch runs where the method observes, off the pass's critical path."""
     expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv,
                                                              position_limit=plan.position_limit)
     wanted = plan.wanted & ATTENTION_STATS
@@ -167,8 +169,8 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     if q == 1 and expansion is not None and expansion.members is not None:  # no view: members from their slots
         members, kv = expansion.members, layer.kv
         output, step = lut_attention(query, kv.keys, kv.values, kv.lengths, members.slot, members.norm, members.live,
-                                     scaling, want_step="step_attention" in wanted)
-        return output.transpose(1, 2), {} if step is None else {"step_attention": step}
+                                     scaling, want_step="step_attention" in wanted, defer_step=True)
+        return output.transpose(1, 2), {} if step is None else {"pending_step": step}
     kv = layer.kv if expansion is None else expansion.kv
     static_shapes = plan.static_shapes or expansion is not None
     bias = kv.state.get(LOGIT_BIAS)
@@ -180,9 +182,12 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
             return output, {}
         span = kv.capacity if static_shapes else layer.longest
         output, step = decode_attention(query, kv.keys, kv.values, kv.lengths, kv.positions, plan.query_positions,
-                                        scaling, span, want_step="step_attention" in wanted, key_bias=bias)
-        stats = {} if step is None else {"step_attention": step}
-        return output.transpose(1, 2), stats if expansion is None else expansion.fold(stats, layer.kv.capacity)
+                                        scaling, span, want_step="step_attention" in wanted, key_bias=bias,
+                                        defer_step=expansion is None)
+        if expansion is not None:
+            return output.transpose(1, 2), expansion.fold({} if step is None else {"step_attention": step},
+                                                          layer.kv.capacity)
+        return output.transpose(1, 2), {} if step is None else {"pending_step": step}
     t = kv.capacity if expansion is not None else layer.longest
     valid = torch.arange(t, device=query.device).view(1, 1, -1) < kv.lengths.unsqueeze(-1)
     if expansion is None and (bias is None or not wanted):  # this pass's tokens are every row's last q slots

@@ -197,6 +197,14 @@ class LayerKV:
         self.reserve(keys.shape[2])
         self.write(keys, values, positions)
 
+    def accumulate_step(self, name: str, stats: AttentionStats) -> None:
+        """``accumulate`` of the pass's step attention (``AttentionStats.add_step_to``: made straight into the
+        state where it is pending)."""
+        if name in self.state:
+            stats.add_step_to(self.state[name])
+        else:
+            self.accumulate(name, stats.step())
+
     def accumulate(self, name: str, amount: Tensor) -> None:
         """state[name] += amount (B, H, T) in float32, in place (the engine's decode storage and a captured
         CUDA graph hold on to the state tensors); starts the state if the method has none yet."""
@@ -353,6 +361,12 @@ class AttentionStats:
     num_queries:        (B,) number of real queries in this pass.
     rope:               instead of raw_keys, for the in-place decode step of a method that takes RoPE off the
                         stored keys itself (``Method.unrotates_in_place``): the model's ``attention.Rope``.
+    pending_step:       a decode pass's step attention not computed yet: the last launch that makes it, left
+                        out of the pass (nothing in the pass reads it) to run where the method observes, on the
+                        layer's side stream (``engine.LayerLanes``): ``step`` stores it, ``add_step_to`` adds it
+                        into a state. It stays referenced, and with it the buffers it reads, until the next pass
+                        replaces these statistics: the side stream has joined by then. Read the step attention
+                        through ``step``.
     """
 
     column_sums: Tensor | None = None
@@ -362,6 +376,21 @@ class AttentionStats:
     query_column_sums: Tensor | None = None
     num_queries: Tensor | None = None
     rope: Rope | None = None
+    pending_step: Callable[..., Tensor] | None = None  # (into=None): the step attention, or into += it
+
+    def step(self) -> Tensor | None:
+        """The step attention, computed from ``pending_step`` on first use (on the current stream)."""
+        if self.step_attention is None and self.pending_step is not None:
+            self.step_attention = self.pending_step()
+        return self.step_attention
+
+    def add_step_to(self, target: Tensor) -> None:
+        """target (B, H_kv, T) float32 += the step attention, in place; a pending one is made straight into it
+        (its launch adds instead of storing: no step tensor, and no separate addition reading it back)."""
+        if self.step_attention is None and self.pending_step is not None:
+            self.pending_step(into=target)
+        else:
+            target.add_(self.step_attention)
 
     def take_rows(self, rows: Tensor) -> "AttentionStats":
         """The statistics of batch rows ``rows`` (n,), as ``LayerKV.take_rows`` takes their slots."""
@@ -369,7 +398,7 @@ class AttentionStats:
             return None if t is None else t[rows.to(t.device)]
 
         return AttentionStats(column_sums=take(self.column_sums), window_column_sums=take(self.window_column_sums),
-                              step_attention=take(self.step_attention), raw_keys=take(self.raw_keys),
+                              step_attention=take(self.step()), raw_keys=take(self.raw_keys),
                               query_column_sums=take(self.query_column_sums), num_queries=take(self.num_queries))
 
     def broadcast(self, rows: int) -> "AttentionStats":
@@ -378,7 +407,7 @@ class AttentionStats:
             return None if t is None else t.expand(rows, *t.shape[1:])
 
         return AttentionStats(column_sums=widen(self.column_sums), window_column_sums=widen(self.window_column_sums),
-                              step_attention=widen(self.step_attention), raw_keys=widen(self.raw_keys),
+                              step_attention=widen(self.step()), raw_keys=widen(self.raw_keys),
                               query_column_sums=widen(self.query_column_sums), num_queries=widen(self.num_queries))
 
     def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
@@ -394,7 +423,7 @@ class AttentionStats:
             return t[:, :, :capacity]
 
         return AttentionStats(column_sums=fix(self.column_sums), window_column_sums=fix(self.window_column_sums),
-                              step_attention=fix(self.step_attention), raw_keys=self.raw_keys,
+                              step_attention=fix(self.step()), raw_keys=self.raw_keys,
                               query_column_sums=fix(self.query_column_sums), num_queries=self.num_queries)
 
 

@@ -17,13 +17,17 @@ Shapes: query (B, H_q, 1, D), H_q = g * H (GQA: query head hq reads KV head hq /
 (B, H, T, D_v); lengths (B, H) long (slots [0, length) are real); member_slot (B, H, E) long, the stored slot
 of each member's centre (any slot in [0, T) where not live); member_norm (B, H, E) float32 ||k_j||; live (B, H, E)
 bool. Returns the output (B, H_q, 1, D_v) in the query's dtype and, with ``want_step``, the step attention
-(B, H, T) float32 averaged over the query heads of a group (``decode_attention``'s convention), else None.
+(B, H, T) float32 averaged over the query heads of a group (``decode_attention``'s convention), else None;
+``defer_step``: as a callable that computes it, or with ``into=`` adds it to a float32 tensor
+(``AttentionStats.pending_step``).
 Shapes are static (no host read): the step replays in a CUDA graph.
 
 This is the torch reference; ``triton_lut_attention`` holds the four-launch kernel of the same signature.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -34,13 +38,13 @@ NORM_EPS = 1e-12  # F.normalize's: a zero centre key gives its members zero keys
 
 
 def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
-                  member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False,
-                  ) -> tuple[Tensor, Tensor | None]:
+                  member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False, defer_step: bool = False,
+                  ) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
     if use_triton("lut_attention", query):
         from kvbench.kernels import triton_lut_attention
 
         return triton_lut_attention.lut_attention(query, keys, values, lengths, member_slot, member_norm, live,
-                                                  scaling, want_step)
+                                                  scaling, want_step, defer_step)
     B, Hq, _, D = query.shape
     H, T = keys.shape[1], keys.shape[2]
     g = Hq // H
@@ -56,4 +60,7 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
                                                    torch.exp(member_logits - top))
     probs = weights / weights.sum(-1, keepdim=True).clamp(min=1e-30)  # >= 1 on a row with a real slot
     out = torch.einsum("bhgt,bhtd->bhgd", probs, values.float()).reshape(B, Hq, 1, -1).to(query.dtype)
-    return out, probs.mean(2) if want_step else None
+    if not want_step:
+        return out, None
+    step = probs.mean(2)
+    return out, (lambda into=None: step if into is None else into.add_(step)) if defer_step else step

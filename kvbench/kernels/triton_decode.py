@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -128,12 +129,12 @@ def _decode_combine(
 
 @triton.jit
 def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                    EXACT_EXP: tl.constexpr):
+                    EXACT_EXP: tl.constexpr, ACCUMULATE: tl.constexpr):
     """One program per (block of slots, b * H_kv + kv head): the mean over the group's query heads of
     exp(logit - lse), the heads summed in torch's order and the sum times ``factor`` (float32 1/GROUP), as torch's
     mean; an lse that is -inf or NaN counts as 0 and +inf as the largest float (``nan_to_num``); slots from
     ``span`` on are 0 (their logits are not written). EXACT_EXP: libdevice's exp (torch's on CUDA); the interpreter has
-    numpy's."""
+    numpy's. ACCUMULATE: added to what ``out`` holds (one float32 addition, as torch's ``add_``), not stored."""
     block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     c = block * BLOCK + tl.arange(0, BLOCK)
     # torch's reduction keeps four partial sums (head g in sum g % 4), added in order at the end
@@ -159,20 +160,29 @@ def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.cons
             sum2 += p
         else:
             sum3 += p
-    tl.store(out_ptr + row * C + c, (((sum0 + sum1) + sum2) + sum3) * factor, mask=c < C)
+    mean = (((sum0 + sum1) + sum2) + sum3) * factor
+    if ACCUMULATE:
+        mean += tl.load(out_ptr + row * C + c, mask=c < C, other=0.0)
+    tl.store(out_ptr + row * C + c, mean, mask=c < C)
 
 
 STEP_BLOCK = 1024  # slots per program of ``_step_attention``
 
 
-def step_attention(logits: Tensor, lse: Tensor, group: int, span: int) -> Tensor:
+def step_attention(logits: Tensor, lse: Tensor, group: int, span: int, into: Tensor | None = None) -> Tensor:
     """(B, H_kv, C) float32: exp(logits - lse) averaged over each group of ``group`` query heads. logits:
-    (B, H_q, C) float32, read up to ``span`` (0 from there); lse: (B, H_q)."""
+    (B, H_q, C) float32, read up to ``span`` (0 from there); lse: (B, H_q). ``into``: a tensor the step attention
+    is added to, in place, and returned (``AttentionStats.add_step_to``: H2O's, CaM's and D2O's running scores);
+    a contiguous float32 one by the kernel itself: bit for bit the step made, then ``into.add_(step)``."""
     B, Hq, C = logits.shape
-    out = logits.new_empty(B, Hq // group, C)
+    if into is not None and not (into.shape == (B, Hq // group, C) and into.dtype == torch.float32
+                                 and into.is_contiguous()):
+        return into.add_(step_attention(logits, lse, group, span))
+    out = logits.new_empty(B, Hq // group, C) if into is None else into
     factor = float(np.float32(1) / np.float32(group))  # float32 division: the factor torch's mean multiplies by
     _step_attention[(triton.cdiv(C, STEP_BLOCK), B * (Hq // group))](
-        logits, lse.contiguous(), out, C, span, factor, GROUP=group, BLOCK=STEP_BLOCK, EXACT_EXP=not INTERPRETED)
+        logits, lse.contiguous(), out, C, span, factor, GROUP=group, BLOCK=STEP_BLOCK, EXACT_EXP=not INTERPRETED,
+        ACCUMULATE=into is not None, enable_fp_fusion=False)  # the mean is rounded before the addition, as torch's
     return out
 
 
@@ -198,10 +208,11 @@ def split_plan(span: int, rows: int, device: torch.device, block_n: int) -> tupl
 
 def decode_attention(
     query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, positions: Tensor, query_pos: Tensor,
-    scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None, defer_step: bool = False,
+) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
     """Triton ``decode_attention.decode_attention`` (``positions``/``query_pos`` are unused: every real slot
-    precedes the decode query)."""
+    precedes the decode query). Deferred, ``_step_attention`` is the callable's launch: off a decode step's
+    critical path, where only the output is waited for."""
     B, Hq, _, D = query.shape
     Hkv, C, DV = keys.shape[1], keys.shape[2], values.shape[-1]
     group = Hq // Hkv
@@ -231,4 +242,7 @@ def decode_attention(
         m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
         BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=block_dv,
     )
-    return out, step_attention(logits, lse, group, span) if want_step else None
+    if not want_step:
+        return out, None
+    step = functools.partial(step_attention, logits, lse, group, span)
+    return out, step if defer_step else step()

@@ -11,9 +11,10 @@ in five launches, reading K once, V once and the table once, every launch split 
    (B, H_q, T) buffer launch 1 zeroed, in any order, as ``fold_entries`` does);
 4. ``_weighted_values``, over key splits: W_c = exp(l_c - M) + the members' weights, the split's sum_c W_c v_c
    and sum_c W_c (and W itself for the step attention, in launch 1's buffer);
-5. ``_combine``, over blocks of slots: the splits' sums added in split order, the output divided by the row's
-   sum_c W_c and stored in the query's dtype, and the step attention W / sum averaged over the group (no
-   atomics in the output: deterministic given the member weights).
+5. ``_combine``, twice: one program per row adds the splits' sums in split order and stores the output divided
+   by the row's sum_c W_c in the query's dtype; then, over blocks of slots, the same sums give the step attention
+   W / sum averaged over the group (no atomics in the output: deterministic given the member weights). The
+   second launch can wait for the caller (``defer_step``): a decode step waits only for the output.
 A member pass of one program per row would loop over the whole table with dependent gathers (latency-bound
 at tens of thousands of entries); split, every launch is a few iterations per program. The grids depend on the
 storage's capacity and the table's size only: a captured CUDA graph replays while rows grow and shrink. Under
@@ -25,6 +26,8 @@ bit (the member weights' atomic adds already make them differ from run to run).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -187,7 +190,7 @@ def _weighted_values(
 def _combine(
     acc_ptr, sum_ptr, weight_ptr, out_ptr, step_ptr, H, T, DV, n_splits, factor,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
-    WANT_STEP: tl.constexpr,
+    WANT_OUT: tl.constexpr, WANT_STEP: tl.constexpr,
 ):
     block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = row // H, row % H
@@ -196,15 +199,17 @@ def _combine(
     for split in range(n_splits):
         total += tl.load(sum_ptr + ((b * n_splits + split) * H + h) * GROUP + heads, mask=heads < GROUP, other=0.0)
     total = tl.maximum(total, 1e-30)  # >= 1 on a row with a real slot
-    if block == 0:  # the output of the group's query heads
-        dv = tl.arange(0, BLOCK_DV)
-        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-        for split in range(n_splits):
-            part = ((b * n_splits + split) * H + h) * GROUP + heads
-            acc += tl.load(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], mask=(heads < GROUP)[:, None], other=0.0)
-        tl.store(out_ptr + (row * GROUP + heads[:, None]) * DV + dv[None, :],
-                 (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=(heads < GROUP)[:, None] & (dv < DV)[None, :])
+    if WANT_OUT:  # the output of the group's query heads, in the first block
+        if block == 0:
+            dv = tl.arange(0, BLOCK_DV)
+            acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+            for split in range(n_splits):
+                part = ((b * n_splits + split) * H + h) * GROUP + heads
+                acc += tl.load(acc_ptr + part[:, None] * BLOCK_DV + dv[None, :], mask=(heads < GROUP)[:, None],
+                               other=0.0)
+            tl.store(out_ptr + (row * GROUP + heads[:, None]) * DV + dv[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=(heads < GROUP)[:, None] & (dv < DV)[None, :])
     if WANT_STEP:  # W / sum_c W_c of every query head, averaged over the group
         cols = block * BLOCK_T + tl.arange(0, BLOCK_T)
         step = tl.zeros((BLOCK_T,), tl.float32)
@@ -215,9 +220,9 @@ def _combine(
 
 
 def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
-                  member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False,
-                  ) -> tuple[Tensor, Tensor | None]:
-    """Triton ``lut_attention.lut_attention``."""
+                  member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False, defer_step: bool = False,
+                  ) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
+    """Triton ``lut_attention.lut_attention``; deferred, the step attention's launch is the callable's."""
     B, Hq, _, D = query.shape
     H, T, DV, E = keys.shape[1], keys.shape[2], values.shape[-1], member_slot.shape[-1]
     group = Hq // H
@@ -256,9 +261,16 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
         WANT_STEP=want_step, UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
     out = query.new_empty(B, Hq, 1, DV)
-    step = torch.empty(B, H, T, **f32) if want_step else out
-    _combine[(triton.cdiv(T, COMBINE_BLOCK) if want_step else 1, B * H)](
-        acc, sums, logits, out, step, H, T, DV, n_splits, 1.0 / group,
-        GROUP=group, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_T=COMBINE_BLOCK, WANT_STEP=want_step,
-    )
-    return out, (step if want_step else None)
+    combine = dict(GROUP=group, BLOCK_M=block_m, BLOCK_DV=block_dv, BLOCK_T=COMBINE_BLOCK)
+    _combine[(1, B * H)](acc, sums, logits, out, out, H, T, DV, n_splits, 1.0 / group, WANT_OUT=True,
+                         WANT_STEP=False, **combine)
+    if not want_step:
+        return out, None
+
+    def step_attention(into: Tensor | None = None) -> Tensor:
+        step = torch.empty(B, H, T, **f32)
+        _combine[(triton.cdiv(T, COMBINE_BLOCK), B * H)](acc, sums, logits, out, step, H, T, DV, n_splits, 1.0 / group,
+                                                        WANT_OUT=False, WANT_STEP=True, **combine)
+        return step if into is None else into.add_(step)
+
+    return out, step_attention if defer_step else step_attention()

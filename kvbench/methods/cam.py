@@ -101,7 +101,7 @@ class CaM(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention."""
-        kv.accumulate(ATTENTION, stats.step_attention)
+        kv.accumulate_step(ATTENTION, stats)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
                  host: HostSizes | None = None) -> LayerKV:

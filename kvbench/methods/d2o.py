@@ -168,7 +168,7 @@ class D2O(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """H2O accumulation of the newest query's attention."""
-        kv.accumulate(ATTENTION, stats.step_attention)
+        kv.accumulate_step(ATTENTION, stats)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
                  host: HostSizes | None = None) -> LayerKV:

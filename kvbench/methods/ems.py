@@ -203,7 +203,7 @@ class EMS(Method):
         a captured decode step keeps the state tensors."""
         state = kv.state
         ems_observe(state["s_glo"], state["s_loc_past"], state["s_loc_cur"], state["s_loc_cur_queries"],
-                    stats.step_attention, kv.lengths, self.window)
+                    stats.step(), kv.lengths, self.window)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place, the look-up table included

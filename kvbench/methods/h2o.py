@@ -72,7 +72,7 @@ class H2O(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """Accumulate the newest query's attention into the per-slot score (and count its observers)."""
-        kv.accumulate(SCORE, stats.step_attention)  # summed over the pass's queries
+        kv.accumulate_step(SCORE, stats)  # summed over the pass's queries
         if self.normalize == "mean_over_observers":
             kv.accumulate(OBSERVED, pass_observers(kv.positions, kv.lengths, stats.num_queries))
 

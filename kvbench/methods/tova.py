@@ -54,7 +54,7 @@ class TOVA(Method):
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
                  host: HostSizes | None = None) -> LayerKV:
-        scores = self.scores(stats.window_column_sums if phase == "prefill" else stats.step_attention)
+        scores = self.scores(stats.window_column_sums if phase == "prefill" else stats.step())
         index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths,
                                    row_sizes=host and host.most_kept())
         return kv.gather(index, lengths)
@@ -69,4 +69,4 @@ class TOVA(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The slot the current query attends to least (nothing protected)."""
         none = torch.zeros_like(kv.lengths)
-        kv.evict_lowest(self.scores(stats.step_attention), none, none)
+        kv.evict_lowest(self.scores(stats.step()), none, none)

@@ -83,7 +83,7 @@ class WeightedKV(Method):
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """a += the pass's summed attention; n += the number of its queries that could see the slot (in place,
         ``kernels.observe``: one launch with the Triton backend)."""
-        observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step_attention, kv.positions, kv.lengths,
+        observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step(), kv.positions, kv.lengths,
                      stats.num_queries)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,

@@ -139,6 +139,32 @@ def test_decode_attention_matches_reference(shape, bias, dtype, output_tolerance
     assert not step[..., span:].any()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_attention_deferred_step_is_the_step(backend):
+    """``defer_step`` returns the output at once and the step attention as a callable (a decode step runs it on
+    the layer's side stream): the same tensors, bit for bit, as the step made at once."""
+    from kvbench.kernels.decode_attention import decode_attention
+
+    B, Hq, Hkv, C, D, span = DECODE_SHAPES["gqa"]
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(B, Hq, 1, D, generator=g)
+    keys, values = (torch.randn(B, Hkv, C, D, generator=g) for _ in range(2))
+    lengths = torch.randint(1, span + 1, (B, Hkv), generator=g)
+    args = (query, keys, values, lengths, torch.arange(C).repeat(B, Hkv, 1), torch.full((B, 1), C), 0.3, span)
+    with use_backend(backend):
+        out, step = decode_attention(*args, want_step=True)
+        deferred_out, pending = decode_attention(*args, want_step=True, defer_step=True)
+        assert decode_attention(*args, defer_step=True)[1] is None
+    assert callable(pending)
+    assert torch.equal(deferred_out, out) and torch.equal(pending(), step)
+    # into=: added to a running score in place (the Triton kernel adds where it stored), bit for bit the addition
+    score = torch.rand(B, Hkv, C, generator=g)
+    into = score.clone()
+    assert pending(into=into) is into and torch.equal(into, score + step)
+    strided = score.transpose(1, 2).contiguous().transpose(1, 2)  # not contiguous: made, then added
+    assert torch.equal(pending(into=strided), score + step)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
 def test_step_attention_is_the_torch_operations_it_replaced(group):
     """The fused step attention against the torch operations it replaced, on logits as the partials kernel

@@ -62,6 +62,26 @@ def test_lut_attention_triton_matches_torch(shape, layout, dtype):
     torch.testing.assert_close(s1.sum(-1), torch.ones(B, H), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lut_attention_deferred_step_is_the_step(backend):
+    """``defer_step`` returns the output at once and the step attention as a callable (a decode step runs it on
+    the layer's side stream): what the step made at once gives (to the last bits on a GPU, where the member
+    weights' atomic adds run in any order, torch's scatter_add as the Triton launch), and with ``into=`` the
+    addition of that same step, bit for bit."""
+    case = layer_case(*SHAPES[1], torch.float32)
+    with use_backend(backend):
+        out, step = lut_attention(*case, 0.5, want_step=True)
+        deferred_out, pending = lut_attention(*case, 0.5, want_step=True, defer_step=True)
+        assert lut_attention(*case, 0.5, defer_step=True)[1] is None
+    assert callable(pending)
+    deferred = pending()
+    torch.testing.assert_close(deferred_out, out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(deferred, step, atol=1e-6, rtol=1e-5)
+    score = torch.rand_like(step)
+    into = score.clone()
+    assert pending(into=into) is into and torch.equal(into, score + deferred)
+
+
 def test_lut_attention_without_step_returns_none():
     case = layer_case(*SHAPES[1], torch.float32)
     for backend in ("torch", "triton"):
