@@ -364,8 +364,9 @@ class AttentionStats:
     pending_step:       a decode pass's step attention not computed yet: the last launch that makes it, left
                         out of the pass (nothing in the pass reads it) to run where the method observes, on the
                         layer's side stream (``engine.LayerLanes``): ``step`` stores it, ``add_step_to`` adds it
-                        into a state. It stays referenced, and with it the buffers it reads, until the next pass
-                        replaces these statistics: the side stream has joined by then. Read the step attention
+                        into a state. It stays referenced, and with it the buffers it reads (a layer's logits,
+                        (B, H_q, T) float32), until the next pass replaces these statistics: the side stream has
+                        joined by then, and the allocator may hand them out again. Read the step attention
                         through ``step``.
     """
 
