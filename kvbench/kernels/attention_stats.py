@@ -10,6 +10,8 @@ head h iff the slot is real and its original position is <= the query's position
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,12 @@ def window_queries(query_pos: Tensor, window: int) -> Tensor:
     padding queries among them attend to nothing and so add nothing)."""
     Q = query_pos.shape[1]
     return (torch.arange(Q, device=query_pos.device) >= Q - window).view(1, Q).expand_as(query_pos)
+
+
+def pending_step(step: Tensor) -> Callable[..., Tensor]:
+    """A step attention already made, as ``AttentionStats.pending_step`` takes it (``defer_step``): called, it
+    returns the step; with ``into=``, it adds the step to that float32 tensor in place and returns it."""
+    return lambda into=None: step if into is None else into.add_(step)
 
 
 def chunk_logits(

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.attention_stats import pending_step, ragged_attention
 from kvbench.kernels.dispatch import use_triton
 
 
 def decode_attention(
     query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, positions: Tensor, query_pos: Tensor,
     scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None, defer_step: bool = False,
-) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
+) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
     """query (B, H_q, 1, D); keys/values (B, H_kv, C, D); lengths (B, H_kv); positions (B, H_kv, C) and
     query_pos (B, 1): original indices; key_bias: optional (B, H_kv, C) per-slot logit bias.
 
@@ -46,6 +46,4 @@ def decode_attention(
     step = stats.get("step_attention")
     if step is not None:
         step = F.pad(step, (0, keys.shape[2] - span))
-    if step is None or not defer_step:
-        return out, step
-    return out, lambda into=None: step if into is None else into.add_(step)
+    return out, pending_step(step) if defer_step and step is not None else step

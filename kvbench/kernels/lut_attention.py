@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kvbench.kernels.attention_stats import pending_step
 from kvbench.kernels.dispatch import use_triton
 
 NORM_EPS = 1e-12  # F.normalize's: a zero centre key gives its members zero keys, as the view's unit_keys does
@@ -39,7 +40,7 @@ NORM_EPS = 1e-12  # F.normalize's: a zero centre key gives its members zero keys
 
 def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
                   member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False, defer_step: bool = False,
-                  ) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
+                  ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
     if use_triton("lut_attention", query):
         from kvbench.kernels import triton_lut_attention
 
@@ -63,4 +64,4 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
     if not want_step:
         return out, None
     step = probs.mean(2)
-    return out, (lambda into=None: step if into is None else into.add_(step)) if defer_step else step
+    return out, pending_step(step) if defer_step else step

@@ -209,7 +209,7 @@ def split_plan(span: int, rows: int, device: torch.device, block_n: int) -> tupl
 def decode_attention(
     query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, positions: Tensor, query_pos: Tensor,
     scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None, defer_step: bool = False,
-) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
+) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
     """Triton ``decode_attention.decode_attention`` (``positions``/``query_pos`` are unused: every real slot
     precedes the decode query). Deferred, ``_step_attention`` is the callable's launch: off a decode step's
     critical path, where only the output is waited for."""

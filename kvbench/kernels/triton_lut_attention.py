@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.attention_stats import pending_step
 from kvbench.kernels.lut_attention import NORM_EPS
 from kvbench.kernels.triton_decode import INTERPRETED, split_plan
 
@@ -221,7 +222,7 @@ def _combine(
 
 def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor,
                   member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False, defer_step: bool = False,
-                  ) -> tuple[Tensor, Tensor | Callable[[], Tensor] | None]:
+                  ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
     """Triton ``lut_attention.lut_attention``; deferred, the step attention's launch is the callable's."""
     B, Hq, _, D = query.shape
     H, T, DV, E = keys.shape[1], keys.shape[2], values.shape[-1], member_slot.shape[-1]
@@ -271,6 +272,6 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
         step = torch.empty(B, H, T, **f32)
         _combine[(triton.cdiv(T, COMBINE_BLOCK), B * H)](acc, sums, logits, out, step, H, T, DV, n_splits, 1.0 / group,
                                                         WANT_OUT=False, WANT_STEP=True, **combine)
-        return step if into is None else into.add_(step)
+        return pending_step(step)(into)
 
     return out, step_attention if defer_step else step_attention()

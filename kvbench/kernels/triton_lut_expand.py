@@ -137,7 +137,8 @@ def _lut_fold(stats_ptr, slot_ptr, len_ptr, out_ptr, Hs, group, C, capacity, BLO
     real = e < length
     slot = tl.load(slot_ptr + kv_row * C + e, mask=real, other=0)
     stat = tl.load(stats_ptr + row * C + e, mask=real, other=0.0)
-    tl.atomic_add(out_ptr + row * capacity + slot, stat, mask=real, sem="relaxed")  # lut_attention's relaxed adds
+    # relaxed: nothing reads the sums before the launch ends
+    tl.atomic_add(out_ptr + row * capacity + slot, stat, mask=real, sem="relaxed")
 
 
 def fold_entries(stats: Tensor, slot: Tensor, lengths: Tensor, capacity: int) -> Tensor:
