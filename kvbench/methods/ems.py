@@ -310,7 +310,12 @@ class EMS(Method):
         out.state["merged_mass"] = torch.where(out.valid(), mass - own_score, 0.0)
         tokens = group_sum(kv.state["merged_tokens"] + 1, target, G)  # (B, H, G) original tokens per entry
         out.state["merged_tokens"] = torch.where(out.valid(), tokens - 1, 0.0)
-        norms = kv.keys.float().norm(dim=-1)  # (B, H, T): the LUT's and the merged keys' (RoPE keeps norms)
+        merged = (members > 1).unsqueeze(-1)
+        # a plain gather where nothing merged: no TBM slot (gamma = 1, known on the host), or every TBM slot went to
+        # the zero class (read back only without ``host``; with it the merge below keeps every entry as it is)
+        gather_only = tbm_slots.shape[-1] == 0 or (host is None and not bool(merged.any()))
+        # (B, H, T), taken once for the LUT and the merged keys, and only where one of them reads it (RoPE keeps norms)
+        norms = kv.keys.float().norm(dim=-1) if self.expansion == "lut" or not gather_only else None
         if self.expansion == "lut":
             size = self._lut_size(tbm_slots.shape[-1], budget)
             lut = kv.tables.get(LUT_POSITION)
@@ -318,10 +323,7 @@ class EMS(Method):
                                    max(size, 0 if lut is None else lut.shape[-1]))
         elif self.multiplicity_bias:
             out.state[LOGIT_BIAS] = torch.where(out.valid(), tokens.clamp(min=1).log(), 0.0)
-        merged = (members > 1).unsqueeze(-1)
-        # a plain gather where nothing merged: no TBM slot (gamma = 1, known on the host), or every TBM slot went to
-        # the zero class (read back only without ``host``; with it the merge below keeps every entry as it is)
-        if tbm_slots.shape[-1] == 0 or (host is None and not bool(merged.any())):
+        if gather_only:
             return out
         out.keys = torch.where(merged, self._merged_keys(kv, norms, raw_keys, target, w, index), out.keys)
         out.values = torch.where(merged, scatter_merge(kv.values, target, w, G), out.values)
