@@ -46,6 +46,7 @@ from kvbench.cache import CompositeCache
 from kvbench.engine import Engine, Generation, Session, _sync
 from kvbench.graphs import DecodeGraph
 from kvbench.hardware import free_memory_bytes
+from kvbench.kv import host_to_device
 
 log = logging.getLogger("kvbench")
 CPU_AUTO_BATCH = 8  # batch_size=auto on a CPU: decoding is compute-bound there, a larger batch gains little
@@ -82,8 +83,8 @@ class _Flight:
     source: Session
     request: DecodeRequest
     tag: Any
-    prefill_compress_seconds: float
-    first_token: int = -1  # picked from its prefill logits at admission
+    first_token: Tensor | None = None  # (1,) on the device, picked from its prefill logits at admission
+    first_on_host: Tensor | None = None  # its copy on its way to the host: read with the row's first step
     tokens: list[int] = field(default_factory=list)
     placed: int = 0  # steps launched before its first one
     compress_mark: float = 0.0  # its point's decode-time compression seconds when it was placed
@@ -237,18 +238,18 @@ class DecodeBatch:
         for index, point in enumerate(self.points):
             free = [point.first + s for s in range(self.slots) if point.first + s not in point.flights]
             placed: dict[tuple, tuple[Session, list[int]]] = {}  # (row, request) -> the row and its slots
-            first_tokens: dict[tuple, int] = {}
+            first_tokens: dict[tuple, tuple[Tensor, Tensor | None]] = {}
             while point.waiting and free:
                 row, request, tag = point.waiting.popleft()
-                flight = _Flight(index, -1, row, request, tag, row.compress_seconds / row.copies)
+                flight = _Flight(index, -1, row, request, tag)
                 if request.max_new_tokens < 1:
                     finished.append(Finished(index, tag, self._generation(flight, "max_new_tokens", self.launched)))
                     continue
                 key = (id(row), request)
                 if key not in first_tokens:
                     first_tokens[key] = self._first_token(row, request)
-                flight.first_token = first_tokens[key]
-                stopped = self._accept(flight, flight.first_token)
+                flight.first_token, flight.first_on_host = first_tokens[key]
+                stopped = None if flight.first_on_host is not None else self._accept(flight, int(flight.first_token))
                 if stopped is not None:
                     finished.append(Finished(index, tag, self._generation(flight, stopped, self.launched)))
                     continue
@@ -266,14 +267,23 @@ class DecodeBatch:
         return finished
 
     @staticmethod
-    def _first_token(row: Session, request: DecodeRequest) -> int:
-        """A row's first token, from its prefill logits (read back: an admission waits for its prompt pass
-        anyway)."""
+    def _first_token(row: Session, request: DecodeRequest) -> tuple[Tensor, Tensor | None]:
+        """A row's first token, picked on the device from its prefill logits: (1,), and, where that token cannot
+        end the row (a decode of at least two tokens, no stop strings, no stop token pickable first), its copy
+        on its way to the host. Such a row is placed without waiting for its prompt pass, so that the device
+        runs the pass while the host places the row and records the step's graph; the copy is read with the
+        row's first step. Any other row's token is read at once (``_place`` waits for its prompt pass)."""
         logits = row.logits
         if request.min_new_tokens > 0 and request.stop_token_ids:
-            stops = torch.tensor(sorted(request.stop_token_ids), device=logits.device)
+            stops = host_to_device(torch.tensor(sorted(request.stop_token_ids)), logits.device)
             logits = logits.index_fill(1, stops, -float("inf"))  # out of place: an inference tensor
-        return int(logits.argmax(-1)[0])
+        first = logits.argmax(-1)
+        can_stop = request.max_new_tokens < 2 or request.stop_when is not None or (
+            request.stop_token_ids and request.min_new_tokens < 1)
+        if can_stop:
+            return first, None
+        on_host = torch.empty(1, dtype=first.dtype, device="cpu", pin_memory=first.is_cuda)
+        return first, on_host.copy_(first, non_blocking=True)
 
     def _install(self, point: _Point, placed: list[tuple[Session, list[int]]], free: list[int]) -> None:
         """Write newly placed rows into their point's storage (allocating it for the first row) and the per-row
@@ -295,21 +305,22 @@ class DecodeBatch:
                 self._drop_runner()
             else:
                 point.session.place([slot(r) for r in rows], row, capacities)
-            index = torch.as_tensor(rows, device=self.device)
-            first = point.flights[rows[0]].first_token
-            self.tokens[index] = first
-            self.generated[index] = 1
-            self.min_new[index] = request.min_new_tokens
+            index = host_to_device(torch.as_tensor(rows), self.device)  # a copy that does not wait for the pass
+            self.tokens[index] = point.flights[rows[0]].first_token.view(1, 1)
+            # filled, not assigned: assigning a number copies it to the device from pageable memory, which waits
+            self.generated.index_fill_(0, index, 1)
+            self.min_new.index_fill_(0, index, request.min_new_tokens)
             if request.min_new_tokens > 1 and request.stop_token_ids:
                 if self.stop_mask is None:
                     self.stop_mask = torch.zeros(len(self.tokens), point.session.logits.shape[-1], dtype=torch.bool,
                                                  device=self.device)
                     self._drop_runner()
-                self.stop_mask[index] = False
-                self.stop_mask[index.view(-1, 1), torch.tensor(sorted(request.stop_token_ids),
-                                                               device=self.device)] = True
+                self.stop_mask.index_fill_(0, index, False)
+                stops = host_to_device(torch.tensor(sorted(request.stop_token_ids)), self.device)
+                self.stop_mask.index_put_((index.view(-1, 1), stops), torch.ones((), dtype=torch.bool,
+                                                                                  device=self.device))
             elif self.stop_mask is not None:
-                self.stop_mask[index] = False
+                self.stop_mask.index_fill_(0, index, False)
             compress_mark = point.session.decode_compress_seconds
             for r in rows:
                 point.flights[r].placed, point.flights[r].compress_mark = self.launched, compress_mark
@@ -358,6 +369,9 @@ class DecodeBatch:
         finished = []
         for flight in members:
             r = flight.row
+            if flight.first_on_host is not None:  # its copy was queued before this step, which has ended
+                self._accept(flight, flight.first_on_host.tolist()[0])  # cannot end the row (``_first_token``)
+                flight.first_on_host = None
             flight.kv_read += record.bytes_before[r] + self.token_bytes[r]
             flight.steps += 1
             stopped = self._accept(flight, tokens[r])
@@ -477,7 +491,7 @@ class DecodeBatch:
             kv_bytes_final=int(final),
             decode_kv_bytes_mean=flight.kv_read / flight.steps if flight.steps else float("nan"),
             prefill_seconds=source.prefill_seconds / source.copies,
-            compress_seconds=flight.prefill_compress_seconds,
+            compress_seconds=source.compress_seconds / source.copies,  # its events, read once the row has decoded
             decode_seconds=self.share[last] - self.share[flight.placed] if flight.steps else 0.0,
             decode_compress_seconds=compress / self.slots,
             tpot_seconds=(self.clock[last] - self.clock[flight.placed]) / flight.steps if flight.steps else 0.0,
@@ -506,7 +520,7 @@ def decode_prompts(engine: Engine, prompts: list[list[int]], suffixes: list[list
         while pending or current is not None or batch.busy:
             if current is None and pending and (batch is None or batch.vacancies(0) > 0):
                 (prompt, suffix), copies = pending.popleft()
-                row = engine.prefill_row(list(prompt), request.max_new_tokens, list(suffix))
+                row = engine.prefill_row(list(prompt), request.max_new_tokens, list(suffix), wait=False)
                 row.copies = len(copies)
                 current = (row, list(copies))
                 if batch is None:

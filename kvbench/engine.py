@@ -200,7 +200,8 @@ class Session:
     kv_bytes_full: list[int] = field(default_factory=list)  # per row
     kv_bytes_compressed: list[int] = field(default_factory=list)  # per row, after prefill compression
     prompt_lengths: list[int] = field(default_factory=list)  # per row, without its suffix
-    prefill_seconds: float = 0.0  # a prefilled row: the wall time of its prompt pass(es), compression and suffix
+    # a prefilled row's time (``prefill_seconds``): seconds, or the CUDA events around work not waited for yet
+    _prefill: float | tuple[torch.cuda.Event, torch.cuda.Event] = field(default=0.0, repr=False)
     copies: int = 1  # a prefilled row: how many batch rows share that one prefill (its time is split among them)
     placed_copies: int = 0  # a prefilled row: copies a ``DecodeBatch`` has placed (then its cache is freed)
     row_steps: np.ndarray | None = None
@@ -220,6 +221,20 @@ class Session:
         host = budgets.cpu()
         self.host_n_keep = host.numpy()
         self.layer_n_keep = host_to_device(host, self.engine.device)
+
+    @property
+    def prefill_seconds(self) -> float:
+        """A prefilled row: the wall time of its prompt pass(es), compression and suffix (read from its events,
+        waiting for them, where ``Engine.prefill_row(wait=False)`` left the work running)."""
+        if isinstance(self._prefill, tuple):
+            start, end = self._prefill
+            end.synchronize()
+            self._prefill = start.elapsed_time(end) / 1000
+        return self._prefill
+
+    @prefill_seconds.setter
+    def prefill_seconds(self, seconds: float | tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
+        self._prefill = seconds
 
     @property
     def compress_seconds(self) -> float:
@@ -586,17 +601,28 @@ class Engine:
                 rows[keys[-1]] = self.prefill_row(prompt, max_new_tokens, suffix)
         return rows[keys[0]] if len(keys) == 1 else self._batch([rows[key] for key in keys])
 
-    def prefill_row(self, prompt: list[int], max_new_tokens: int, suffix: list[int] | None = None) -> Session:
+    def prefill_row(self, prompt: list[int], max_new_tokens: int, suffix: list[int] | None = None,
+                    wait: bool = True) -> Session:
         """One prompt's pass(es) with compression, then its suffix: a one-row session, its storage planned for
-        ``max_new_tokens`` of decoding, timed (``Session.prefill_seconds``)."""
+        ``max_new_tokens`` of decoding, timed (``Session.prefill_seconds``). ``wait=False`` (CUDA): return once
+        the work is queued, timed by events around it, so that the caller queues more work behind it while the
+        device runs it (a decode batch places the row and records its step's graph: ``kvbench.decode``)."""
         if len(prompt) == 0:
             raise ConfigError("empty prompt: every sample needs at least one token")
         n_keep = self.budget.n_keep(torch.tensor([len(prompt)]), max_new_tokens, self.method.budget_basis)
         _sync(self.device)
         start = time.perf_counter()
+        timed_by_events = not wait and self.device.type == "cuda"
+        if timed_by_events:
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()  # on an idle device: it times from now, as the host clock does
         row = self._prefill_row(prompt, n_keep, max_new_tokens, suffix or [], DeviceTimer(self.device))
-        _sync(self.device)
-        row.prefill_seconds = time.perf_counter() - start
+        if timed_by_events:
+            ended.record()
+            row.prefill_seconds = (began, ended)
+        else:
+            _sync(self.device)
+            row.prefill_seconds = time.perf_counter() - start
         return row
 
     def _prefill_row(self, prompt: list[int], n_keep: Tensor, max_new_tokens: int, suffix: list[int],
@@ -604,7 +630,7 @@ class Engine:
         method, L, n = self.method, self.num_layers, len(prompt)
         session = self.new_row(n, timer)
         cache = session.cache
-        tokens = torch.tensor([prompt], device=self.device)
+        tokens = host_to_device(torch.tensor([prompt]), self.device)  # not waiting for a batch's queued steps
         per_layer = not method.budget_needs
         if per_layer:  # budgets from the prompt length alone: known before the pass
             session.set_layer_budgets(self.budgets_before_pass(n_keep, n, max_new_tokens))
@@ -620,7 +646,7 @@ class Engine:
                 self.compress_prompt_layer(session, layer, cache.kv(layer), cache.layers[layer].host_lengths, stats)
                 cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
 
-            plan = PassPlan(query_positions=index, num_queries=torch.tensor([stop - start], device=self.device),
+            plan = PassPlan(query_positions=index, num_queries=host_to_device(torch.tensor([stop - start]), self.device),
                             wanted=method.needs, window=method.window,
                             after_layer=compress_layer if per_layer else None, expand=self.expand,
                             position_limit=stop)
@@ -630,7 +656,7 @@ class Engine:
                 self.compress_after_pass(session, n_keep, stats, max_new_tokens)
         self.finish_row(session, n, logits, len(suffix), max_new_tokens)
         if suffix:
-            session.feed(torch.tensor([suffix], device=self.device), phase="extend")
+            session.feed(host_to_device(torch.tensor([suffix]), self.device), phase="extend")
         return session
 
     def new_row(self, prompt_length: int, timer: DeviceTimer) -> Session:

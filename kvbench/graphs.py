@@ -120,9 +120,11 @@ class DecodeGraph:
         before every capture: the memory a prompt pass had cached would be given back to the driver and
         allocated again by the next pass, a cost of every decode batch. The garbage collector waits while the
         step is recorded: recording allocates Python objects at the pace of an eager step, and a full
-        collection of a process that holds a run's tables and compiled code would pause it for tens of ms."""
+        collection of a process that holds a run's tables and compiled code would pause it for tens of ms.
+        Nor after waiting for the device: recording runs nothing, so the host records while the device still runs
+        the work queued before (a newly placed row's prompt pass, ``Engine.prefill_row(wait=False)``), and the
+        replay that runs the captured step is queued behind that work."""
         before = [[layer.host_lengths.copy() for layer in s.cache.layers] for s in self.sessions]
-        torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         collecting = gc.isenabled()
         gc.disable()

@@ -145,3 +145,32 @@ def test_a_steady_batch_launch_does_not_synchronise(cuda_model, graphs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     batch.close()
+
+
+def test_a_row_is_placed_and_its_step_captured_while_its_prompt_pass_runs(cuda_model, monkeypatch):
+    """``prefill_row(wait=False)``, then the placement and the first step (a capture: the shapes were warmed up) of
+    a row that its first token cannot end: nothing waits for the device (sync debug mode; torch.cuda.synchronize
+    never called), its prefill time comes from events, and it decodes the tokens of a row placed after waiting."""
+    engine = Engine(cuda_model, build("h2o"), Budget("tokens", 12), cuda_graphs=True)
+    prompt = random_prompts([45], cuda_model.config.vocab_size)[0]
+
+    def decode_row(wait: bool, checked: bool = False):
+        row = engine.prefill_row(prompt, 8, wait=wait)
+        batch = DecodeBatch([engine], slots=1)
+        batch.admit(0, row, DecodeRequest(8))
+        if checked:
+            calls = []
+            monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: calls.append(args))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                batch.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                monkeypatch.undo()
+            assert batch.runner.kind == "capture" and calls == []
+        return run(batch, [])[None], row
+
+    waited, _ = decode_row(wait=True)  # warms the step's shapes up: the next batches capture at their first step
+    queued, row = decode_row(wait=False, checked=True)
+    assert queued.tokens == waited.tokens
+    assert 0 < row.prefill_seconds == queued.prefill_seconds

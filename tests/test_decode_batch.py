@@ -128,6 +128,29 @@ def test_steady_batch_step_never_waits_for_the_device(tiny_model, name):
         batch.close()
 
 
+def test_only_a_row_its_first_token_can_end_waits_for_its_prompt_pass_at_placement(tiny_model):
+    """A row that its first token cannot end (two tokens or more, no stop string, no stop token pickable first) is
+    placed without the host reading its first token (the device may still run its prompt pass: the host places
+    the row and records the step's graph meanwhile); the token is read with the row's first step, first in its
+    output. A row that its first token can end is read at its placement."""
+    engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12))
+    prompt = random_prompts([30], tiny_model.config.vocab_size)[0]
+    with use_backend("torch"):
+        first, runner_up = engine.prefill([prompt], 8).logits.topk(2, -1).indices[0].tolist()
+        cases = [(DecodeRequest(8), False, first),
+                 (DecodeRequest(8, frozenset({first}), min_new_tokens=1), False, runner_up),  # the stop masked
+                 (DecodeRequest(8, frozenset({runner_up})), True, first), (DecodeRequest(1), True, first),
+                 (DecodeRequest(8, stop_when=lambda tokens: False), True, first)]
+        for request, read, expected in cases:
+            batch = DecodeBatch([engine], slots=1, lag=1)
+            batch.admit(0, engine.prefill_row(prompt, 8, wait=False), request)
+            with HostReads() as reads:
+                batch.place()
+            assert bool(reads.seen) == read, (request, reads.seen)
+            generation = run(batch, [])[None]  # the admitted row (tag None), decoded to its end
+            assert generation.tokens[0] == expected, request
+
+
 def test_a_repeated_row_fills_every_slot_from_one_prefill(tiny_model, monkeypatch):
     engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12))
     prompt = random_prompts([30], tiny_model.config.vocab_size)[0]
