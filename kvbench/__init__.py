@@ -1,10 +1,18 @@
 """kvbench: a research harness for comparing KV-cache compression methods fairly."""
 
+import os
 import re
 import subprocess
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+# The CUDA driver's queue of launched work not yet started, at 4x its default size (a user's own setting stands).
+# A prompt pass and its compression launch thousands of kernels; at the default size the host blocks on the full
+# queue until the pass has nearly ended, and what it does next (placing the row, recording the decode step's CUDA
+# graph: kvbench.graphs) then leaves the device idle instead of running under the pass. The driver reads it when
+# CUDA initialises, which no kvbench import does.
+os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 # The folder that holds this package: kvbench's checkout (pip install -e, PYTHONPATH) or site-packages.
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
