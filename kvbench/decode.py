@@ -21,6 +21,12 @@ grows to what every admitted row needs, which re-captures a replayed step, so ``
 longest prompts first. With ``engine.cuda_graphs`` the whole step, every point included, is replayed as one
 CUDA graph (``kvbench.graphs``).
 
+Placing a row does not wait for its prompt pass where the row's first token cannot end it (``_first_token``):
+``decode_prompts`` prefills with ``Engine.prefill_row(wait=False)``, and the host places the row and records the
+step's graph while the device still runs the pass; the first token reaches the host with the row's first step.
+Recorded after the pass instead, a capture left the device idle for its 30-100 ms of host time, which a timed
+64-token decode at 32k counted as 5-15 % of its TPOT.
+
 Timing without synchronising: a step's device time runs from the previous step's end event to its own (from its
 own start after an admission, so prompt passes are not counted), read when its tokens are. A row's TPOT is the
 mean over its steps; its decode time is its share of each step (the step's time over the rows it decoded).
