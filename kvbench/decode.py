@@ -71,6 +71,11 @@ class DecodeRequest:
     stop_when: Callable[[list[int]], bool] | None = None
 
 
+def _stop_ids(request: DecodeRequest, device: torch.device) -> Tensor:
+    """The request's stop token ids on ``device``, copied without waiting for the work queued there."""
+    return host_to_device(torch.tensor(sorted(request.stop_token_ids)), device)
+
+
 @dataclass
 class Finished:
     """A row that finished decoding: its point, the tag it was admitted with, and its output."""
@@ -281,8 +286,8 @@ class DecodeBatch:
         row's first step. Any other row's token is read at once (``_place`` waits for its prompt pass)."""
         logits = row.logits
         if request.min_new_tokens > 0 and request.stop_token_ids:
-            stops = host_to_device(torch.tensor(sorted(request.stop_token_ids)), logits.device)
-            logits = logits.index_fill(1, stops, -float("inf"))  # out of place: an inference tensor
+            # out of place: an inference tensor
+            logits = logits.index_fill(1, _stop_ids(request, logits.device), -float("inf"))
         first = logits.argmax(-1)
         can_stop = request.max_new_tokens < 2 or request.stop_when is not None or (
             request.stop_token_ids and request.min_new_tokens < 1)
@@ -322,9 +327,8 @@ class DecodeBatch:
                                                  device=self.device)
                     self._drop_runner()
                 self.stop_mask.index_fill_(0, index, False)
-                stops = host_to_device(torch.tensor(sorted(request.stop_token_ids)), self.device)
-                self.stop_mask.index_put_((index.view(-1, 1), stops), torch.ones((), dtype=torch.bool,
-                                                                                  device=self.device))
+                self.stop_mask.index_put_((index.view(-1, 1), _stop_ids(request, self.device)),
+                                          torch.ones((), dtype=torch.bool, device=self.device))
             elif self.stop_mask is not None:
                 self.stop_mask.index_fill_(0, index, False)
             compress_mark = point.session.decode_compress_seconds

@@ -630,7 +630,9 @@ class Engine:
         method, L, n = self.method, self.num_layers, len(prompt)
         session = self.new_row(n, timer)
         cache = session.cache
-        tokens = host_to_device(torch.tensor([prompt]), self.device)  # not waiting for a batch's queued steps
+        # host copies through pinned memory: a later chunk's query count and the suffix are copied behind the queued
+        # pass, which a copy from pageable memory would wait for
+        tokens = host_to_device(torch.tensor([prompt]), self.device)
         per_layer = not method.budget_needs
         if per_layer:  # budgets from the prompt length alone: known before the pass
             session.set_layer_budgets(self.budgets_before_pass(n_keep, n, max_new_tokens))
@@ -646,7 +648,8 @@ class Engine:
                 self.compress_prompt_layer(session, layer, cache.kv(layer), cache.layers[layer].host_lengths, stats)
                 cache.pass_stats[layer] = AttentionStats()  # drop the prompt statistics once used
 
-            plan = PassPlan(query_positions=index, num_queries=host_to_device(torch.tensor([stop - start]), self.device),
+            queries = host_to_device(torch.tensor([stop - start]), self.device)
+            plan = PassPlan(query_positions=index, num_queries=queries,
                             wanted=method.needs, window=method.window,
                             after_layer=compress_layer if per_layer else None, expand=self.expand,
                             position_limit=stop)
