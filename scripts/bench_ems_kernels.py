@@ -1,9 +1,10 @@
-"""EMS's per-layer decode kernels at the engine's configuration, each kernel's device time.
+"""EMS's and D2O's per-layer decode kernels at the engine's configuration, each kernel's device time.
 
 One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slots each (the budget plus the
 step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full, bfloat16 keys
 that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
-the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head. Each is
+the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head, and D2O's
+``d2o_step`` (victim, best match over every key, merge) over the same keys and positions. Each is
 captured as a CUDA graph of ``STEPS`` calls and replayed; the profiler's kernel times are per call.
 
     python -m scripts.bench_ems_kernels --rows 1 --slots 6555
@@ -22,12 +23,14 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.kernels import triton_decode, triton_ems_step, triton_lut_attention, triton_slots
+from kvbench.kernels import triton_d2o_step, triton_decode, triton_ems_step, triton_lut_attention, triton_slots
+from kvbench.kernels.d2o_step import d2o_step
 from kvbench.kernels.ems_step import ems_step
 from kvbench.kernels.lut_attention import lut_attention
 
 STEPS = 8
-MODULES = {"ems": triton_ems_step, "lut": triton_lut_attention, "decode": triton_decode, "slots": triton_slots}
+MODULES = {"ems": triton_ems_step, "d2o": triton_d2o_step, "lut": triton_lut_attention, "decode": triton_decode,
+           "slots": triton_slots}
 
 
 class TableRope:
@@ -116,7 +119,7 @@ def main() -> None:
     parser.add_argument("--table-fill", type=float, default=0.9)
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=V1,V2",
                         help=f"override a tile constant (a tuple: 64:4:3); modules: {', '.join(MODULES)}")
-    parser.add_argument("--only", choices=("ems_step", "lut_attention"), default=None)
+    parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step"), default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     rope = TableRope(args.head_dim, device)
@@ -129,7 +132,7 @@ def main() -> None:
         print(f"== {args.rows} rows x {args.kv_heads} heads x {args.slots} slots; {label}", flush=True)
         s = layer(args, device)
         scaling = args.head_dim ** -0.5
-        if args.only != "lut_attention":
+        if args.only in (None, "ems_step"):
             # tau 0: every step merges (the table's and the merge's work every time)
             def step():
                 ems_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], None, tuple(s["state"][:3]),
@@ -137,11 +140,19 @@ def main() -> None:
                          "key_value", False, rope)
                 s["lengths"].fill_(args.slots)  # the next step's appended token
             print("\n".join(timed(step, "ems_step")), flush=True)
-        if args.only != "ems_step":
+        if args.only in (None, "lut_attention"):
             def attend():
                 lut_attention(s["query"], s["keys"], s["values"], s["lengths"], s["member_slot"], s["lut"][2],
                               s["live"], scaling, want_step=True)
             print("\n".join(timed(attend, "lut_attention")), flush=True)
+        if args.only in (None, "d2o_step"):
+            attention, threshold = s["state"][0], s["state"][1].zero_()  # tau 0: most steps merge
+
+            def d2o():
+                d2o_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], attention, threshold,
+                         s["n_keep"], 3, 1, 4, 0.7, False, True)
+                s["lengths"].fill_(args.slots)
+            print("\n".join(timed(d2o, "d2o_step")), flush=True)
 
 
 if __name__ == "__main__":
