@@ -91,15 +91,18 @@ def table(df: pd.DataFrame, targets: list) -> list[dict]:
 
 def row(label: str, model: str, context: int, method: str, value: float, bound: float, direction: str) -> dict:
     met = value <= bound if direction == "<=" else value >= bound
+    miss = 100 * (value / bound - 1)
     return {"target": label, "model": model, "context": context, "method": method, "measured": value,
             "bound": bound, "direction": direction,
-            "met": "yes" if met else f"no ({100 * (value / bound - 1):+.0f}%)"}
+            "met": "yes" if met else f"no ({miss:+.1f}%)" if abs(miss) < 1 else f"no ({miss:+.0f}%)"}
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| target | model | context | method | measured | target | met |", "|---|---|---:|---|---:|---:|---|"]
     for r in rows:
-        measured = "nan" if math.isnan(r["measured"]) else f"{r['measured']:.2f}"
+        # a value that rounds to its bound gets a third digit, so that a miss never reads as "0.85 <= 0.85"
+        digits = 3 if f"{r['measured']:.2f}" == f"{r['bound']:.2f}" else 2
+        measured = "nan" if math.isnan(r["measured"]) else f"{r['measured']:.{digits}f}"
         lines.append(f"| {r['target']} | {r['model']} | {r['context']} | {r['method']} | {measured} | "
                      f"{r['direction']} {r['bound']:.2f} | {r['met']} |")
     return "\n".join(lines)
