@@ -92,9 +92,9 @@ def table(df: pd.DataFrame, targets: list) -> list[dict]:
 def row(label: str, model: str, context: int, method: str, value: float, bound: float, direction: str) -> dict:
     met = value <= bound if direction == "<=" else value >= bound
     miss = 100 * (value / bound - 1)
+    decimals = 1 if abs(miss) < 1 else 0  # a miss under 1 % never prints as "+0%"
     return {"target": label, "model": model, "context": context, "method": method, "measured": value,
-            "bound": bound, "direction": direction,
-            "met": "yes" if met else f"no ({miss:+.1f}%)" if abs(miss) < 1 else f"no ({miss:+.0f}%)"}
+            "bound": bound, "direction": direction, "met": "yes" if met else f"no ({miss:+.{decimals}f}%)"}
 
 
 def markdown(rows: list[dict]) -> str:
