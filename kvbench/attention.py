@@ -231,7 +231,8 @@ def _make_attention(impl: str):
             cache.set_stats[layer_idx] = [AttentionStats(num_queries=plan.num_queries, **s) for s in shared]
         else:
             output, stats = _cached_attention(base, module, query, layer, scaling, plan, kwargs)
-        cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries, **stats)
+        cache.pass_stats[layer_idx] = AttentionStats(num_queries=plan.num_queries,
+                                                     one_query=plan.query_positions.shape[1] == 1, **stats)
         if plan.after_layer is not None:
             plan.after_layer(layer_idx)
         return output

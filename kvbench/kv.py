@@ -359,6 +359,8 @@ class AttentionStats:
     query_column_sums:  (B, H_q, T) column_sums per *query* head (not averaged over the GQA group; query head
                         h reads KV head h // group), for methods whose rule is stated per query head (D2O).
     num_queries:        (B,) number of real queries in this pass.
+    one_query:          every row of the pass has one query (a decode step), as the host knows it: a kernel that
+                        would read ``num_queries`` to count each slot's observers can count one without it.
     rope:               instead of raw_keys, for the in-place decode step of a method that takes RoPE off the
                         stored keys itself (``Method.unrotates_in_place``): the model's ``attention.Rope``.
     pending_step:       a decode pass's step attention not computed yet: the last launch that makes it, left
@@ -376,6 +378,7 @@ class AttentionStats:
     raw_keys: Tensor | None = None
     query_column_sums: Tensor | None = None
     num_queries: Tensor | None = None
+    one_query: bool = False
     rope: Rope | None = None
     pending_step: Callable[..., Tensor] | None = None  # (into=None): the step attention, or into += it
 
@@ -400,7 +403,8 @@ class AttentionStats:
 
         return AttentionStats(column_sums=take(self.column_sums), window_column_sums=take(self.window_column_sums),
                               step_attention=take(self.step()), raw_keys=take(self.raw_keys),
-                              query_column_sums=take(self.query_column_sums), num_queries=take(self.num_queries))
+                              query_column_sums=take(self.query_column_sums), num_queries=take(self.num_queries),
+                              one_query=self.one_query)
 
     def broadcast(self, rows: int) -> "AttentionStats":
         """The one-row statistics as ``rows`` identical rows, as views (no copy)."""
@@ -409,7 +413,8 @@ class AttentionStats:
 
         return AttentionStats(column_sums=widen(self.column_sums), window_column_sums=widen(self.window_column_sums),
                               step_attention=widen(self.step()), raw_keys=widen(self.raw_keys),
-                              query_column_sums=widen(self.query_column_sums), num_queries=widen(self.num_queries))
+                              query_column_sums=widen(self.query_column_sums), num_queries=widen(self.num_queries),
+                              one_query=self.one_query)
 
     def aligned(self, capacity: int, order: Tensor | None = None) -> "AttentionStats":
         """Reorder slots by ``order`` (B, H, K) (as LayerKV.gather does) and zero-pad to ``capacity``."""
@@ -425,7 +430,8 @@ class AttentionStats:
 
         return AttentionStats(column_sums=fix(self.column_sums), window_column_sums=fix(self.window_column_sums),
                               step_attention=fix(self.step()), raw_keys=self.raw_keys,
-                              query_column_sums=fix(self.query_column_sums), num_queries=self.num_queries)
+                              query_column_sums=fix(self.query_column_sums), num_queries=self.num_queries,
+                              one_query=self.one_query)
 
 
 @dataclass

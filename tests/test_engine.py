@@ -143,6 +143,17 @@ def test_decode_compression_holds_the_budget(tiny_model):
     assert session.cache.kv(1).positions[0, 0, :8].tolist() == list(range(17, 25))  # + one spare decode slot
 
 
+def test_a_pass_tells_its_observers_whether_each_row_has_one_query(tiny_model):
+    """``AttentionStats.one_query`` (what WeightedKV's observation counts its observers by) is the host's q == 1."""
+    engine = Engine(tiny_model, LastN(), Budget("tokens", 8))
+    session = engine.prefill(prompts([20], tiny_model.config.vocab_size), max_new_tokens=5)
+    session.feed(torch.tensor([[5, 6, 7]]), phase="extend")
+    assert [s.one_query for s in session.cache.pass_stats] == [False] * tiny_model.config.num_hidden_layers
+    session.feed(torch.tensor([[7]]))
+    assert [s.one_query for s in session.cache.pass_stats] == [True] * tiny_model.config.num_hidden_layers
+    assert session.cache.pass_stats[0].num_queries.tolist() == [1]
+
+
 def test_extend_phase_does_not_compress(tiny_model):
     engine = Engine(tiny_model, LastN(), Budget("tokens", 8))
     session = engine.prefill(prompts([20], tiny_model.config.vocab_size), max_new_tokens=5)

@@ -82,9 +82,10 @@ class WeightedKV(Method):
 
     def observe(self, layer: int, kv: LayerKV, stats: AttentionStats) -> None:
         """a += the pass's summed attention; n += the number of its queries that could see the slot (in place,
-        ``kernels.observe``: one launch with the Triton backend)."""
+        ``kernels.observe``: one launch with the Triton backend; one query a row, as a decode step has, counts as
+        one without reading the positions)."""
         observe_pass(kv.state[ACCUMULATED], kv.state[OBSERVED], stats.step(), kv.positions, kv.lengths,
-                     stats.num_queries)
+                     None if stats.one_query else stats.num_queries)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
                  host: HostSizes | None = None) -> LayerKV:

@@ -390,13 +390,13 @@ class Launches(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 5), ("cam_h2o", 5),
-                                           ("weightedkv", 6), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
+                                           ("weightedkv", 5), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
                                            ("ems_bias", 4), ("ems_from_rope", 6)])
 def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
     decode storage: the device runs its kernels and nothing else but scratch allocations (the torch path issues
     ~10-300 operations). Observations: H2O's, CaM's and D2O's one torch addition, EMS's one launch, WeightedKV's
-    two (the blocks' newest positions, then its blocks' updates).
+    one (its blocks' updates: one query a row needs no newest position, ``AttentionStats.one_query``).
     Steps that split each row over blocks, a launch per phase: StreamingLLM's two (each block's lowest under the
     budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
     average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
@@ -430,7 +430,7 @@ def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launc
     else:
         given = dict(raw_keys=kv.keys)
     stats = AttentionStats(step_attention=torch.rand(B, H, kv.capacity, generator=g), num_queries=torch.ones(B),
-                           **given)
+                           one_query=True, **given)  # as the engine's decode pass makes them
     counter = Launches(monkeypatch)
     with use_backend("triton"), counter:
         method.observe(0, kv, stats)
