@@ -193,7 +193,7 @@ def compare_under_random_attention(name: str, backend: str) -> None:
             kv.write(keys, values, position)
             seen = step_attention.gather(2, kv.positions.clamp(min=0))
             stats.append(AttentionStats(step_attention=torch.where(kv.valid(), seen, 0.0), num_queries=torch.ones(B),
-                                        raw_keys=kv.keys))
+                                        one_query=True, raw_keys=kv.keys))  # a decode pass's, as the engine's
         with use_backend("torch"):
             method.observe(0, ref, stats[0])
             ref = method.compress(0, ref, stats[0], n_keep, "decode")

@@ -2,7 +2,7 @@
 each row.
 
 Each row's slots are split over blocks (``triton_slots.row_blocks``), so that a batch of one fills the device: the
-newest position per block; each block's lowest a / n of the mergeable region (after the protected counts from the
+newest position per block (unless the caller says the last real slot holds it: ``newest_last``); each block's lowest a / n of the mergeable region (after the protected counts from the
 budget); each block's next position after the slot that merges (the blocks' fold); then per row the next position
 (the oldest of the blocks'), the pairwise merge of two values, and the move of the row's last slot into the merged
 one. One program per row scanning the whole row three times was latency-bound at a batch of one. The blocks'
@@ -55,14 +55,18 @@ def _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT: tl.con
 
 @triton.jit
 def _lowest_kernel(pos_ptr, len_ptr, acc_ptr, obs_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C,
-                   span, NB, SINKS, RECENT, DERIVED_RECENT: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_NB: tl.constexpr):
+                   span, NB, SINKS, RECENT, DERIVED_RECENT: tl.constexpr, NEWEST_LAST: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Program (row, block): the lowest merge key a / n of the block's mergeable slots (after the sinks, outside
-    the recent window of the row's newest position, the blocks' newest), ties to the oldest position."""
+    the recent window of the row's newest position: the blocks' newest, or with NEWEST_LAST the last real
+    slot's), ties to the oldest position."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     sinks, recent = _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT)
-    newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
+    if NEWEST_LAST:  # -1 for an empty row, as the blocks' scan gives
+        newest = tl.load(pos_ptr + row * C + tl.maximum(length - 1, 0), mask=length > 0, other=-1)
+    else:
+        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)
     j = tl.full((), 0, tl.int64)
@@ -120,18 +124,20 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, acc_ptr, obs_ptr, b
 
 
 def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor,
-                    accumulated: Tensor, observed: Tensor, n_keep: Tensor, sinks: int, recent: int | None) -> None:
+                    accumulated: Tensor, observed: Tensor, n_keep: Tensor, sinks: int, recent: int | None,
+                    newest_last: bool = False) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, accumulated, observed)
     S, DV, rows = state.shape[0], values.shape[-1], B * H
     NB, span = row_blocks(rows, C, BLOCK_SCAN, keys.device)
-    newest = newest_by_blocks(positions, lengths, NB, span)
+    newest = lengths if newest_last else newest_by_blocks(positions, lengths, NB, span)  # unread if newest_last
     oldest, slot, next_pos, next_slot = (torch.empty(rows * NB, dtype=torch.int64, device=keys.device)
                                          for _ in range(4))
     best = torch.empty(rows * NB, dtype=torch.float32, device=keys.device)
     _lowest_kernel[(rows, NB)](positions, lengths, accumulated, observed, n_keep.to(lengths).contiguous(), newest,
                                best, oldest, slot, H, C, span, NB, sinks, 0 if recent is None else recent,
-                               DERIVED_RECENT=recent is None, BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))
+                               DERIVED_RECENT=recent is None, NEWEST_LAST=newest_last, BLOCK_C=BLOCK_SCAN,
+                               BLOCK_NB=block_size(NB))
     _next_kernel[(rows, NB)](positions, lengths, best, oldest, slot, next_pos, next_slot, C, span, NB,
                              BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))
     _merge_kernel[(rows,)](keys, values, positions, lengths, state, accumulated, observed, best, oldest, slot,

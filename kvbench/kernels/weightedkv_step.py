@@ -10,7 +10,9 @@ which the budget rule never produces): nothing is merged.
 Torch reference; ``triton_weightedkv_step`` holds the one-launch kernel of the same signature (``dispatch``).
 Shapes: keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths (B, H) long; state
 (S, B, H, C) float32, every per-slot state stacked, ``accumulated`` (a) and ``observed`` (n) two of its rows;
-n_keep (B,) long, the budget of each batch row.
+n_keep (B,) long, the budget of each batch row. ``newest_last``: the caller knows that each row's newest position is
+its last real slot's (a decode step's, which appended it there): the Triton step reads it there instead of scanning
+the row's positions for it; the reference takes the maximum either way, the same position.
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ def pair_fraction(w_j: Tensor, w_r: Tensor) -> Tensor:
 
 
 def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor,
-                    accumulated: Tensor, observed: Tensor, n_keep: Tensor, sinks: int, recent: int | None) -> None:
+                    accumulated: Tensor, observed: Tensor, n_keep: Tensor, sinks: int, recent: int | None,
+                    newest_last: bool = False) -> None:
     """Merge and remove one slot of every row in place (module docstring); ``lengths`` drop by one."""
     if use_triton("weightedkv_step", values):
         from kvbench.kernels import triton_weightedkv_step
 
         return triton_weightedkv_step.weightedkv_step(keys, values, positions, lengths, state, accumulated,
-                                                      observed, n_keep, sinks, recent)
+                                                      observed, n_keep, sinks, recent, newest_last)
     keep = torch.minimum(n_keep.to(lengths).unsqueeze(-1), lengths)  # (B, H)
     row_sinks, row_recent = protection(keep, sinks, recent)
     average = average_attention(accumulated, observed)  # (B, H, C)

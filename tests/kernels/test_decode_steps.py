@@ -105,6 +105,36 @@ def test_weightedkv_step_over_blocks_matches_reference(recent):
     assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
 
 
+@pytest.mark.parametrize("recent", [None, 3])
+def test_weightedkv_step_reads_the_newest_from_the_last_slot_where_told(recent):
+    """``newest_last`` (a decode step's rows, whose last real slot holds the token the step appended): the Triton
+    step reads each row's newest position there instead of scanning its blocks, with the same merge and move as the
+    reference's maximum over the row, on rows in shuffled slot order over three blocks."""
+    def make():
+        s = storage(1, 2, 2500, 16, 3, torch.float32, 7)
+        s["state"][1] = s["state"][1].round()
+        for h in range(2):  # each row's newest position into its last real slot
+            last = int(s["lengths"][0, h]) - 1
+            row = s["positions"][0, h]
+            newest = int(row[:last + 1].argmax())
+            row[[newest, last]] = row[[last, newest]]
+        return s
+
+    def call(newest_last):
+        def run(step, s):
+            extra = {"newest_last": True} if newest_last else {}
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
+                 s["n_keep"], 2, recent, **extra)
+        return run
+
+    want = make()
+    with use_backend("torch"):
+        call(False)(weightedkv_step.weightedkv_step, want)
+    got = make()
+    call(True)(triton_weightedkv_step.weightedkv_step, got)
+    assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
+
+
 @LAYOUTS
 @pytest.mark.parametrize("eviction,merge_tokens,key", [(None, 16, 0), (0.5, 4, 2**32 - 5), (0.3, 5, None),
                                                       (None, 3, None)],
@@ -390,7 +420,7 @@ class Launches(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 5), ("cam_h2o", 5),
-                                           ("weightedkv", 5), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
+                                           ("weightedkv", 4), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
                                            ("ems_bias", 4), ("ems_from_rope", 6)])
 def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
@@ -400,7 +430,8 @@ def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launc
     Steps that split each row over blocks, a launch per phase: StreamingLLM's two (each block's lowest under the
     budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
     average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
-    WeightedKV's four (the newest, the lowest merge key, the next position, the merge and move), D2O's four (the
+    WeightedKV's three (the lowest merge key, the next position, the merge and move: a one-query pass's newest
+    position is its last slot's), D2O's four (the
     newest, the lowest attention, the best match, the merge). EMS's step: three launches (a row's scans, the
     block-split best match, the merge; its look-up table a fourth).
     ``ems_from_rope``: EMS's step handed the model's RoPE instead of raw keys, as the engine hands it for 16-bit keys:
