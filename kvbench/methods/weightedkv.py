@@ -108,8 +108,9 @@ class WeightedKV(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place: the region's lowest a_bar (ties: the oldest)
         merges its value into the slot of the next position and leaves; a and n of the others stay
-        (``kernels.weightedkv_step``: three or four launches with the Triton backend). A one-query pass (a decode step) has
-        just appended its token after each row's last slot: the row's newest position is there, not scanned for."""
+        (``kernels.weightedkv_step``: three or four launches with the Triton backend). A one-query pass (a decode
+        step) has just appended its token after each row's last slot: the row's newest position is there, not
+        scanned for."""
         weightedkv_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ACCUMULATED],
                         kv.state[OBSERVED], n_keep, self.sinks, self.recent, newest_last=stats.one_query)
 
