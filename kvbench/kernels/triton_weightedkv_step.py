@@ -5,9 +5,9 @@ Each row's slots are split over blocks (``triton_slots.row_blocks``), so that a 
 newest position per block (unless the caller says the last real slot holds it: ``newest_last``); each block's
 lowest a / n of the mergeable region (after the protected counts from the budget); each block's next position after
 the slot that merges (the blocks' fold); then per row the next position (the oldest of the blocks'), the pairwise
-merge of two values, and the move of the row's last slot into the merged one. One program per row scanning the whole row three times was latency-bound at a batch of one. The blocks'
-results fold as one scan's tiles do, so the slots chosen are the same. Floating-point contraction is off, so the
-merge rounds as the torch reference does.
+merge of two values, and the move of the row's last slot into the merged one. One program per row scanning the
+whole row three times was latency-bound at a batch of one. The blocks' results fold as one scan's tiles do, so the
+slots chosen are the same. Floating-point contraction is off, so the merge rounds as the torch reference does.
 """
 
 from __future__ import annotations
