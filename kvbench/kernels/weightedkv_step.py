@@ -7,7 +7,8 @@ v_r <- f v_j + (1 - f) v_r with f = a_bar_j / (a_bar_j + a_bar_r), and leaves (t
 its slot). Keys, a and n of the other slots stay. No next position (a row whose every later token is gone,
 which the budget rule never produces): nothing is merged.
 
-Torch reference; ``triton_weightedkv_step`` holds the one-launch kernel of the same signature (``dispatch``).
+Torch reference; ``triton_weightedkv_step`` holds the three- or four-launch kernel of the same signature
+(``dispatch``).
 Shapes: keys (B, H, C, D); values (B, H, C, DV); positions (B, H, C) long; lengths (B, H) long; state
 (S, B, H, C) float32, every per-slot state stacked, ``accumulated`` (a) and ``observed`` (n) two of its rows;
 n_keep (B,) long, the budget of each batch row. ``newest_last``: the caller knows that each row's newest position is

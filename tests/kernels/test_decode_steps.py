@@ -120,18 +120,11 @@ def test_weightedkv_step_reads_the_newest_from_the_last_slot_where_told(recent):
             row[[newest, last]] = row[[last, newest]]
         return s
 
-    def call(newest_last):
-        def run(step, s):
-            extra = {"newest_last": True} if newest_last else {}
-            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
-                 s["n_keep"], 2, recent, **extra)
-        return run
+    def call(step, s):
+        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
+             s["n_keep"], 2, recent, newest_last=True)  # the reference takes the row's maximum either way
 
-    want = make()
-    with use_backend("torch"):
-        call(False)(weightedkv_step.weightedkv_step, want)
-    got = make()
-    call(True)(triton_weightedkv_step.weightedkv_step, got)
+    got, want = run_both(weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step, make, call)
     assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
 
 
@@ -431,8 +424,8 @@ def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launc
     budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
     average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
     WeightedKV's three (the lowest merge key, the next position, the merge and move: a one-query pass's newest
-    position is its last slot's), D2O's four (the
-    newest, the lowest attention, the best match, the merge). EMS's step: three launches (a row's scans, the
+    position is its last slot's), D2O's four (the newest, the lowest attention, the best match, the merge).
+    EMS's step: three launches (a row's scans, the
     block-split best match, the merge; its look-up table a fourth).
     ``ems_from_rope``: EMS's step handed the model's RoPE instead of raw keys, as the engine hands it for 16-bit keys:
     its kernels take RoPE off the keys they read and no un-RoPE'd copy of the cache is made, phase 2 running twice
