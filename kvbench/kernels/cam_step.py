@@ -57,16 +57,19 @@ def merge_probability(score: Tensor, total: Tensor, count: Tensor) -> Tensor:
 
 
 def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
-             n_keep: Tensor, sinks: int, heavy_ratio: float | None, merge_tokens: int, key: int | None) -> None:
+             n_keep: Tensor, sinks: int, heavy_ratio: float | None, merge_tokens: int, key: int | None,
+             newest_last: bool = False) -> None:
     """Merge and remove one slot of every row in place (module docstring); ``lengths`` drop by one.
 
     heavy_ratio: None for StreamingLLM eviction, else H2O's heavy share; key: ``draw_key`` of the layer, None
-    for the deterministic merge (m_e = p_e)."""
+    for the deterministic merge (m_e = p_e); newest_last: each row's newest position is its last real slot's (a
+    decode step appended it there): the Triton step reads it there instead of scanning; here the maximum, the
+    same position."""
     if use_triton("cam_step", values):
         from kvbench.kernels import triton_cam_step
 
         return triton_cam_step.cam_step(keys, values, positions, lengths, state, attention, n_keep, sinks,
-                                        heavy_ratio, merge_tokens, key)
+                                        heavy_ratio, merge_tokens, key, newest_last)
     victim = budget_victim(attention, lengths, positions, n_keep, sinks, heavy_ratio)  # (B, H)
     targets, real = next_slots(positions, lengths, victim, merge_tokens)  # (B, H, n) each
     evicted = victim.unsqueeze(-1)  # (B, H, 1)

@@ -3,7 +3,8 @@
 The best match reads every key of the row (O(C d), the step's only large read), so it is split over blocks of
 slots to run at memory bandwidth when the batch has few rows; the victim has to be known before any cosine,
 and the threshold (under ``threshold_scope=layer``) needs every head's best match, hence the phases:
-1. grid (rows, blocks): the newest position of each block of the row (``triton_slots.newest_by_blocks``), then
+1. grid (rows, blocks): the newest position of each block of the row (``triton_slots.newest_by_blocks``; not with
+   ``newest_last``, where the row's last real slot holds it), then
    each block's lowest attention outside the row's sinks and recent window (12 bytes a slot): the victim is
    their fold, which the next two phases make from the blocks' results (a handful of values);
 2. grid (rows, blocks): the best cosine of the victim's key among each block's slots (ties: the oldest
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
                                           fold_blocks, fold_highest, lowest_in, move_last, newest_by_blocks,
-                                          newest_of_blocks, row_blocks, scan_tile, store_block)
+                                          row_blocks, row_newest, scan_tile, store_block)
 
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -41,15 +42,16 @@ EPS = tl.constexpr(1e-12)  # F.normalize's
 
 @triton.jit
 def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C, span, NB,
-                   N_HEAVY, N_RECENT, N_SINKS, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+                   N_HEAVY, N_RECENT, N_SINKS, NEWEST_LAST: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_NB: tl.constexpr):
     """Program (row, block): the block's lowest attention outside the row's sinks and recent window
-    (d2o_step.protection; the row's newest position is the blocks')."""
+    (d2o_step.protection; the row's newest position is the blocks', or the last real slot's: ``row_newest``)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     keep = tl.minimum(tl.load(keep_ptr + row // H), length)
     recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
     sinks = tl.minimum(keep - recent, N_SINKS)
-    newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
+    newest = row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST, BLOCK_NB)
     start = block * span
     best, oldest, slot = lowest_in(att_ptr + row * C, pos_ptr, row, length, sinks, recent, newest, 1, C, start,
                                    tl.minimum(start + span, C), True, BLOCK_C)
@@ -134,21 +136,21 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, low_ptr, l
 
 def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
              threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
-             layer_scope: bool, weighted: bool) -> None:
+             layer_scope: bool, weighted: bool, newest_last: bool = False) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, attention, threshold)
     S, DV, rows = state.shape[0], values.shape[-1], B * H
     NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
     VNB, victim_span = row_blocks(rows, C, BLOCK_SCAN, keys.device)  # the victim's blocks
-    newest = newest_by_blocks(positions, lengths, VNB, victim_span)
+    newest = lengths if newest_last else newest_by_blocks(positions, lengths, VNB, victim_span)  # unread if last
     low_position, low_slot = (torch.empty(rows * VNB, dtype=torch.long, device=keys.device) for _ in range(2))
     low = torch.empty(rows * VNB, dtype=torch.float32, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
     _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H, C,
-                                victim_span, VNB, n_heavy, n_recent, n_sinks, BLOCK_C=BLOCK_SCAN,
-                                BLOCK_NB=block_size(VNB))
+                                victim_span, VNB, n_heavy, n_recent, n_sinks, NEWEST_LAST=newest_last,
+                                BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(VNB))
     _match_kernel[(rows, NB)](keys, positions, lengths, low, low_position, low_slot, similarity, at_position, at_slot,
                               C, D, span, NB, VNB, BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), BLOCK_VNB=block_size(VNB),
                               num_warps=MATCH_WARPS)

@@ -206,13 +206,14 @@ def _block_newest_kernel(pos_ptr, len_ptr, newest_ptr, C, span, NB, BLOCK_C: tl.
 @triton.jit
 def _block_lowest_kernel(score_ptr, sb, sh, pos_ptr, len_ptr, keep_ptr, sink_ptr, recent_ptr, newest_ptr, best_ptr,
                          oldest_ptr, slot_ptr, H, C, span, NB, SINKS, RATIO_BITS, BUDGET: tl.constexpr,
-                         HEAVY: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr):
+                         HEAVY: tl.constexpr, NEWEST_LAST: tl.constexpr, BLOCK_C: tl.constexpr,
+                         BLOCK_NB: tl.constexpr):
     """Program (row, block): ``lowest_in`` over the block's slots. BUDGET: under the row's budget
     (``budget_rule``: H2O's split with ``HEAVY``, else StreamingLLM's order), else by score with the row's given
     sinks and recent window (``select_lowest``). The row's newest position is the blocks' (``_block_newest_kernel``)
     where a recent window is protected; StreamingLLM's rule protects none, so every real slot qualifies whatever
     the newest is. Scores of row b * H + h at ``score_ptr + b * sb + h * sh`` (sh = 0: one score row per batch
-    row, TOVA's head average)."""
+    row, TOVA's head average). NEWEST_LAST: the row's newest is its last real slot's (``row_newest``)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     if BUDGET:
@@ -220,7 +221,7 @@ def _block_lowest_kernel(score_ptr, sb, sh, pos_ptr, len_ptr, keep_ptr, sink_ptr
     else:
         sinks, recent, age_sign = tl.load(sink_ptr + row), tl.load(recent_ptr + row), 1
     if HEAVY or not BUDGET:
-        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
+        newest = row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST, BLOCK_NB)
     else:
         newest = tl.full((), NO_POSITION, tl.int64)
     start = block * span
@@ -264,6 +265,17 @@ def newest_of_blocks(newest_ptr, row, NB, BLOCK_NB: tl.constexpr):
     """One row's newest position: the newest of its blocks' (``newest_by_blocks``)."""
     b = tl.arange(0, BLOCK_NB)
     return tl.max(tl.load(newest_ptr + row * NB + b, mask=b < NB, other=-1), 0)
+
+
+@triton.jit
+def row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """One row's newest position: with NEWEST_LAST its last real slot's (a one-query pass appended its token there:
+    the caller's ``newest_last``), else the newest of its blocks'; -1 for an empty row either way."""
+    if NEWEST_LAST:
+        newest = tl.load(pos_ptr + row * C + tl.maximum(length - 1, 0), mask=length > 0, other=-1)
+    else:
+        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
+    return newest
 
 
 @triton.jit
@@ -410,22 +422,25 @@ class Blocks:
 
 def lowest_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, n_keep: Tensor, sinks: Tensor,
                      recent: Tensor, budget_sinks: int, heavy_ratio: float | None, budget: bool,
-                     newest: bool) -> Blocks:
+                     newest: bool, newest_last: bool = False) -> Blocks:
     """Each row's slots split over blocks (``row_blocks``): the newest position per block (``newest``: wanted where
     a recent window is protected, or by the caller), then every block's lowest (``_block_lowest_kernel``).
-    ``budget``: the protection from ``n_keep`` (B,) (``budget_rule``), else from ``sinks`` and ``recent`` (B, H)."""
+    ``budget``: the protection from ``n_keep`` (B,) (``budget_rule``), else from ``sinks`` and ``recent`` (B, H).
+    ``newest_last``: each row's newest position is its last real slot's (``row_newest``): no newest launch, and
+    ``Blocks.newest`` is a stand-in."""
     B, H, C = positions.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     rows = B * H
     count, span = row_blocks(rows, C, BLOCK_SCAN, positions.device)
-    newest_of = newest_by_blocks(positions, lengths, count, span) if newest else lengths  # unread if not wanted
+    # unread if not wanted or read from the last slots
+    newest_of = newest_by_blocks(positions, lengths, count, span) if newest and not newest_last else lengths
     oldest, slot = (torch.empty(rows * count, dtype=torch.int64, device=positions.device) for _ in range(2))
     best = torch.empty(rows * count, dtype=torch.float32, device=positions.device)
     _block_lowest_kernel[(rows, count)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
                                         recent, newest_of, best, oldest, slot, H, C, span, count, budget_sinks,
                                         ratio_bits(heavy_ratio), BUDGET=budget, HEAVY=heavy_ratio is not None,
-                                        BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(count))
+                                        NEWEST_LAST=newest_last, BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(count))
     return Blocks(count, span, newest_of, best, oldest, slot)
 
 

@@ -18,8 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, block_size, check_storage, fold_blocks,
-                                          fold_lowest, move_last, newest_by_blocks, newest_of_blocks, next_in,
-                                          next_in_tile, row_blocks, store_block)
+                                          fold_lowest, move_last, newest_by_blocks, next_in,
+                                          next_in_tile, row_blocks, row_newest, store_block)
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # the merge key of never-observed slots (after every observed one)
 FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)
@@ -63,10 +63,7 @@ def _lowest_kernel(pos_ptr, len_ptr, acc_ptr, obs_ptr, keep_ptr, newest_ptr, bes
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
     sinks, recent = _protection(keep_ptr, len_ptr, row, H, SINKS, RECENT, DERIVED_RECENT)
-    if NEWEST_LAST:  # -1 for an empty row, as the blocks' scan gives
-        newest = tl.load(pos_ptr + row * C + tl.maximum(length - 1, 0), mask=length > 0, other=-1)
-    else:
-        newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
+    newest = row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST, BLOCK_NB)
     best = tl.full((), float("inf"), tl.float32)
     oldest = tl.full((), NO_POSITION, tl.int64)
     j = tl.full((), 0, tl.int64)

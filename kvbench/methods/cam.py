@@ -124,10 +124,11 @@ class CaM(Method):
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place: the slot the policy drops adds m_e v_e / n
         to the values of the slots holding the next n positions, and leaves; keys and scores stay
-        (``kernels.cam_step``: one launch with the Triton backend)."""
+        (``kernels.cam_step``: three or four launches with the Triton backend; after a one-query pass, whose
+        appended token holds each row's newest position in its last slot, no scan for it)."""
         cam_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ATTENTION], n_keep,
                  self.sinks, None if self.eviction == "streamingllm" else self.heavy_ratio, self.merge_tokens,
-                 None if self.deterministic else draw_key(self.seed, layer))
+                 None if self.deterministic else draw_key(self.seed, layer), newest_last=stats.one_query)
 
     def _select(self, attention: Tensor, keep: Tensor, lengths: Tensor,
                 row_sizes: list[int] | None = None) -> tuple[Tensor, Tensor]:

@@ -203,10 +203,11 @@ class D2O(Method):
         """``compress`` of a row one slot over its budget, in place: the lowest accumulated attention outside
         the sinks and the recent window leaves, merges into its most similar remaining slot when the cosine
         passes the EMA threshold (the only slot whose key and value change), and every slot takes the new
-        threshold (``kernels.d2o_step``: four launches with the Triton backend)."""
+        threshold (``kernels.d2o_step``: four launches with the Triton backend, three after a one-query pass, whose
+        appended token holds each row's newest position in its last slot)."""
         d2o_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ATTENTION],
                  kv.state[THRESHOLD], n_keep, self.n_heavy, self.n_recent, self.n_sinks, self.beta,
-                 self.threshold_scope == "layer", self.merge_rule == "weighted")
+                 self.threshold_scope == "layer", self.merge_rule == "weighted", newest_last=stats.one_query)
 
     def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
         """(sinks, recent), (B, H) each, of a (B, H) budget: the recent share floored, sinks inside the rest."""

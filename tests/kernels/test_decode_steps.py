@@ -105,14 +105,36 @@ def test_weightedkv_step_over_blocks_matches_reference(recent):
     assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
 
 
-@pytest.mark.parametrize("recent", [None, 3])
-def test_weightedkv_step_reads_the_newest_from_the_last_slot_where_told(recent):
+def _step_call(name: str, recent: int | None):
+    """``call(step, s, **extra)`` of the decode step of ``name`` on ``storage``'s rows: WeightedKV (``recent``),
+    CaM under H2O's rule with the draw (``recent`` unused), D2O."""
+    def call(step, s, **extra):
+        if name == "weightedkv":
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
+                 s["n_keep"], 2, recent, **extra)
+        elif name == "cam":
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["n_keep"], 2,
+                 0.5, 4, 2**32 - 5, **extra)
+        else:
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
+                 s["n_keep"], 2, 3, 1, 0.5, False, True, **extra)
+    return call
+
+
+STEPS = {"weightedkv": (weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step),
+         "cam": (cam_step.cam_step, triton_cam_step.cam_step), "d2o": (d2o_step.d2o_step, triton_d2o_step.d2o_step)}
+
+
+@pytest.mark.parametrize("name,recent", [("weightedkv", None), ("weightedkv", 3), ("cam", None), ("d2o", None)])
+def test_steps_read_the_newest_from_the_last_slot_where_told(name, recent):
     """``newest_last`` (a decode step's rows, whose last real slot holds the token the step appended): the Triton
-    step reads each row's newest position there instead of scanning its blocks, with the same merge and move as the
-    reference's maximum over the row, on rows in shuffled slot order over three blocks."""
+    steps read each row's newest position there instead of scanning their blocks, with the same merge and move as
+    the reference's maximum over the row, on rows in shuffled slot order over three blocks."""
     def make():
         s = storage(1, 2, 2500, 16, 3, torch.float32, 7)
         s["state"][1] = s["state"][1].round()
+        if name == "d2o":
+            s["state"][2] = float("nan")  # no threshold yet
         for h in range(2):  # each row's newest position into its last real slot
             last = int(s["lengths"][0, h]) - 1
             row = s["positions"][0, h]
@@ -120,12 +142,13 @@ def test_weightedkv_step_reads_the_newest_from_the_last_slot_where_told(recent):
             row[[newest, last]] = row[[last, newest]]
         return s
 
-    def call(step, s):
-        step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
-             s["n_keep"], 2, recent, newest_last=True)  # the reference takes the row's maximum either way
-
-    got, want = run_both(weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step, make, call)
-    assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
+    reference, kernel = STEPS[name]
+    call = _step_call(name, recent)  # the reference takes the row's maximum either way
+    got, want = run_both(reference, kernel, make, lambda step, s: call(step, s, newest_last=True))
+    if name == "d2o":  # the merge and the threshold follow the cosines (test_d2o_step_over_blocks_matches_reference)
+        assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
+    else:
+        assert_same_cache(got, want, {"atol": 1e-6, "rtol": 1e-6})
 
 
 @LAYOUTS
@@ -412,8 +435,8 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 5), ("cam_h2o", 5),
-                                           ("weightedkv", 4), ("d2o", 5), ("d2o_layer_threshold", 5), ("ems", 5),
+@pytest.mark.parametrize("name,launches", [("streamingllm", 2), ("h2o", 4), ("tova", 5), ("cam", 4), ("cam_h2o", 4),
+                                           ("weightedkv", 4), ("d2o", 4), ("d2o_layer_threshold", 4), ("ems", 5),
                                            ("ems_bias", 4), ("ems_from_rope", 6)])
 def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launches):
     """One decode step of one layer (``observe`` then ``evict_one``) with the Triton backend, on the engine's
@@ -422,10 +445,10 @@ def test_fused_decode_step_issues_one_to_six_operations(monkeypatch, name, launc
     one (its blocks' updates: one query a row needs no newest position, ``AttentionStats.one_query``).
     Steps that split each row over blocks, a launch per phase: StreamingLLM's two (each block's lowest under the
     budget, the fold and move), H2O's three (the blocks' newest positions first), TOVA's three after its head
-    average and a zero protection, CaM's four (the newest, the lowest, the next positions, the merge and move),
-    WeightedKV's three (the lowest merge key, the next position, the merge and move: a one-query pass's newest
-    position is its last slot's), D2O's four (the newest, the lowest attention, the best match, the merge).
-    EMS's step: three launches (a row's scans, the
+    average and a zero protection. After a one-query pass the row's newest position is its last slot's, so no
+    launch finds it for CaM's three (the lowest, the next positions, the merge and move), WeightedKV's three (the
+    lowest merge key, the next position, the merge and move) or D2O's three (the lowest attention, the best
+    match, the merge). EMS's step: three launches (a row's scans, the
     block-split best match, the merge; its look-up table a fourth).
     ``ems_from_rope``: EMS's step handed the model's RoPE instead of raw keys, as the engine hands it for 16-bit keys:
     its kernels take RoPE off the keys they read and no un-RoPE'd copy of the cache is made, phase 2 running twice
