@@ -1,10 +1,11 @@
-"""EMS's and D2O's per-layer decode kernels at the engine's configuration, each kernel's device time.
+"""EMS's, D2O's and CaM's per-layer decode kernels at the engine's configuration, each kernel's device time.
 
 One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slots each (the budget plus the
 step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full, bfloat16 keys
 that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
 the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head, and D2O's
-``d2o_step`` (victim, best match over every key, merge) over the same keys and positions. Each is
+``d2o_step`` (victim, best match over every key, merge) and CaM's ``cam_step`` (H2O's victim, the next
+``merge_tokens`` positions, the draw and the merge) over the same keys and positions. Each is
 captured as a CUDA graph of ``STEPS`` calls and replayed; the profiler's kernel times are per call.
 
     python -m scripts.bench_ems_kernels --rows 1 --slots 6555
@@ -23,14 +24,16 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.kernels import triton_d2o_step, triton_decode, triton_ems_step, triton_lut_attention, triton_slots
+from kvbench.kernels import (triton_cam_step, triton_d2o_step, triton_decode, triton_ems_step, triton_lut_attention,
+                             triton_slots)
+from kvbench.kernels.cam_step import cam_step
 from kvbench.kernels.d2o_step import d2o_step
 from kvbench.kernels.ems_step import ems_step
 from kvbench.kernels.lut_attention import lut_attention
 
 STEPS = 8
 MODULES = {"ems": triton_ems_step, "d2o": triton_d2o_step, "lut": triton_lut_attention, "decode": triton_decode,
-           "slots": triton_slots}
+           "slots": triton_slots, "cam": triton_cam_step}
 
 
 class TableRope:
@@ -119,7 +122,7 @@ def main() -> None:
     parser.add_argument("--table-fill", type=float, default=0.9)
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=V1,V2",
                         help=f"override a tile constant (a tuple: 64:4:3); modules: {', '.join(MODULES)}")
-    parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step"), default=None)
+    parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step", "cam_step"), default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     rope = TableRope(args.head_dim, device)
@@ -153,6 +156,14 @@ def main() -> None:
                          s["n_keep"], 3, 1, 4, 0.7, False, True)
                 s["lengths"].fill_(args.slots)
             print("\n".join(timed(d2o, "d2o_step")), flush=True)
+        if args.only in (None, "cam_step"):
+            attention = s["state"][0]
+
+            def cam():  # CaM's defaults: StreamingLLM's victim, 16 targets, the counter-based draw
+                cam_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], attention, s["n_keep"],
+                         4, None, 16, 12345, newest_last=True)
+                s["lengths"].fill_(args.slots)
+            print("\n".join(timed(cam, "cam_step")), flush=True)
 
 
 if __name__ == "__main__":
