@@ -287,6 +287,39 @@ def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
             torch.testing.assert_close(got_table, want_table, msg=name)
 
 
+@pytest.mark.parametrize("name", ["d2o", "ems"])
+def test_best_match_ties_go_to_the_oldest_position_within_and_across_tiles(name):
+    """Every key (and EMS's every value) along one axis: every cosine is exactly 1, so the tie rule alone picks the
+    match, the oldest eligible position, among shuffled slots over blocks of several tiles. The Triton scans keep
+    a best per lane of a tile and fold the lanes after the loop, so ties meet both inside a lane and across lanes."""
+    shape = (1, 2, 600, 16)
+    assert triton_slots.row_blocks(2, 600, triton_d2o_step.BLOCK_S, torch.device("cpu"))[1] >= 3 * 64
+
+    def make():
+        s = ems_storage(shape, torch.float32, 5, True, False, entries=11) if name == "ems" else (
+            storage(*shape, 3, torch.float32, 5))
+        for tensor in (s["raw_keys"], s["values"]) if name == "ems" else (s["keys"],):
+            tensor.zero_()
+            tensor[..., 0] = 2.0
+        if name == "d2o":
+            s["state"][2] = float("nan")
+        return s
+
+    def call(step, s):
+        if name == "d2o":
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
+                 s["n_keep"], 3, 1, 2, 0.7, False, True)
+        else:
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"],
+                 tuple(s["state"][:3]), (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 3, 0.0, 4.0,
+                 "key_value", False)
+
+    reference, kernel = (d2o_step.d2o_step, triton_d2o_step.d2o_step) if name == "d2o" else (
+        ems_step.ems_step, triton_ems_step.ems_step)
+    got, want = run_both(reference, kernel, make, call)
+    assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
+
+
 def llama3_rope(head_dim: int, context: int = 131072) -> Rope:
     """Llama 3.1's RoPE (theta 500,000, llama3 frequency scaling) at ``head_dim``, on the default device; ``context``:
     the positions its table holds."""
