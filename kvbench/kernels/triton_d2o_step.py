@@ -143,7 +143,7 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
     VNB, victim_span = row_blocks(rows, C, BLOCK_SCAN, keys.device)  # the victim's blocks
-    newest = lengths if newest_last else newest_by_blocks(positions, lengths, VNB, victim_span)  # unread if last
+    newest = newest_by_blocks(positions, lengths, VNB, victim_span, wanted=not newest_last)
     low_position, low_slot = (torch.empty(rows * VNB, dtype=torch.long, device=keys.device) for _ in range(2))
     low = torch.empty(rows * VNB, dtype=torch.float32, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)

@@ -45,7 +45,7 @@ def observe_pass(accumulated: Tensor, observed: Tensor, attention: Tensor, posit
     check_storage(accumulated, observed, attention, positions, lengths)
     per_row = num_queries is not None
     NB, span = row_blocks(B * H, C, BLOCK_SCAN, positions.device)
-    newest = newest_by_blocks(positions, lengths, NB, span) if per_row else lengths  # unread with one query
+    newest = newest_by_blocks(positions, lengths, NB, span, wanted=per_row)
     _observe_kernel[(B * H, NB)](accumulated, observed, attention, positions, lengths,
                                  num_queries.contiguous() if per_row else lengths, newest, H, C, span, NB,
                                  PER_ROW=per_row, BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(NB))

@@ -433,8 +433,7 @@ def lowest_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, n_keep:
         scores = scores.contiguous()
     rows = B * H
     count, span = row_blocks(rows, C, BLOCK_SCAN, positions.device)
-    # unread if not wanted or read from the last slots
-    newest_of = newest_by_blocks(positions, lengths, count, span) if newest and not newest_last else lengths
+    newest_of = newest_by_blocks(positions, lengths, count, span, wanted=newest and not newest_last)
     oldest, slot = (torch.empty(rows * count, dtype=torch.int64, device=positions.device) for _ in range(2))
     best = torch.empty(rows * count, dtype=torch.float32, device=positions.device)
     _block_lowest_kernel[(rows, count)](scores, scores.stride(0), scores.stride(1), positions, lengths, n_keep, sinks,
@@ -444,8 +443,12 @@ def lowest_by_blocks(scores: Tensor, lengths: Tensor, positions: Tensor, n_keep:
     return Blocks(count, span, newest_of, best, oldest, slot)
 
 
-def newest_by_blocks(positions: Tensor, lengths: Tensor, count: int, span: int) -> Tensor:
-    """(B * H * count,) the newest position of each block of ``span`` slots of every row (-1: none real)."""
+def newest_by_blocks(positions: Tensor, lengths: Tensor, count: int, span: int, wanted: bool = True) -> Tensor:
+    """(B * H * count,) the newest position of each block of ``span`` slots of every row (-1: none real). Not
+    ``wanted`` (the caller's kernel reads the newest from each row's last slot, or needs none): no launch, and
+    ``lengths`` stands in for the tensor argument, unread."""
+    if not wanted:
+        return lengths
     B, H, C = positions.shape
     newest = torch.empty(B * H * count, dtype=torch.int64, device=positions.device)
     _block_newest_kernel[(B * H, count)](positions, lengths, newest, C, span, count, BLOCK_C=BLOCK_SCAN)

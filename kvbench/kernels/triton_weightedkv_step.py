@@ -127,7 +127,7 @@ def weightedkv_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Te
     check_storage(lengths, keys, values, positions, state, accumulated, observed)
     S, DV, rows = state.shape[0], values.shape[-1], B * H
     NB, span = row_blocks(rows, C, BLOCK_SCAN, keys.device)
-    newest = lengths if newest_last else newest_by_blocks(positions, lengths, NB, span)  # unread if newest_last
+    newest = newest_by_blocks(positions, lengths, NB, span, wanted=not newest_last)
     oldest, slot, next_pos, next_slot = (torch.empty(rows * NB, dtype=torch.int64, device=keys.device)
                                          for _ in range(4))
     best = torch.empty(rows * NB, dtype=torch.float32, device=keys.device)
