@@ -106,8 +106,9 @@ def test_weightedkv_step_over_blocks_matches_reference(recent):
 
 
 def _step_call(name: str, recent: int | None):
-    """``call(step, s, **extra)`` of the decode step of ``name`` on ``storage``'s rows: WeightedKV (``recent``),
-    CaM under H2O's rule with the draw (``recent`` unused), D2O."""
+    """``call(step, s, **extra)`` of the decode step of ``name`` on ``storage``'s rows (``ems_storage``'s for EMS):
+    WeightedKV (``recent``), CaM under H2O's rule with the draw (``recent`` unused), D2O, EMS (tau 0: every TBM
+    merges)."""
     def call(step, s, **extra):
         if name == "weightedkv":
             step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][0], s["state"][1],
@@ -115,14 +116,19 @@ def _step_call(name: str, recent: int | None):
         elif name == "cam":
             step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["n_keep"], 2,
                  0.5, 4, 2**32 - 5, **extra)
-        else:
+        elif name == "d2o":
             step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
                  s["n_keep"], 2, 3, 1, 0.5, False, True, **extra)
+        else:
+            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"],
+                 tuple(s["state"][:3]), (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 3, 0.0, 4.0,
+                 "key_value", False, **extra)
     return call
 
 
 STEPS = {"weightedkv": (weightedkv_step.weightedkv_step, triton_weightedkv_step.weightedkv_step),
-         "cam": (cam_step.cam_step, triton_cam_step.cam_step), "d2o": (d2o_step.d2o_step, triton_d2o_step.d2o_step)}
+         "cam": (cam_step.cam_step, triton_cam_step.cam_step), "d2o": (d2o_step.d2o_step, triton_d2o_step.d2o_step),
+         "ems": (ems_step.ems_step, triton_ems_step.ems_step)}
 
 
 @pytest.mark.parametrize("name,recent", [("weightedkv", None), ("weightedkv", 3), ("cam", None), ("d2o", None)])
@@ -305,18 +311,8 @@ def test_best_match_ties_go_to_the_oldest_position_within_and_across_tiles(name)
             s["state"][2] = float("nan")
         return s
 
-    def call(step, s):
-        if name == "d2o":
-            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1], s["state"][2],
-                 s["n_keep"], 3, 1, 2, 0.7, False, True)
-        else:
-            step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["raw_keys"],
-                 tuple(s["state"][:3]), (s["state"][3], s["state"][4], None), s["lut"], s["n_keep"], 3, 0.0, 4.0,
-                 "key_value", False)
-
-    reference, kernel = (d2o_step.d2o_step, triton_d2o_step.d2o_step) if name == "d2o" else (
-        ems_step.ems_step, triton_ems_step.ems_step)
-    got, want = run_both(reference, kernel, make, call)
+    reference, kernel = STEPS[name]
+    got, want = run_both(reference, kernel, make, _step_call(name, None))
     assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
 
 
