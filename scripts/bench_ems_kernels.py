@@ -153,7 +153,7 @@ def main() -> None:
 
             def d2o():
                 d2o_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], attention, threshold,
-                         s["n_keep"], 3, 1, 4, 0.7, False, True)
+                         s["n_keep"], 3, 1, 4, 0.7, False, True, newest_last=True)  # as after a decode pass
                 s["lengths"].fill_(args.slots)
             print("\n".join(timed(d2o, "d2o_step")), flush=True)
         if args.only in (None, "cam_step"):

@@ -105,7 +105,8 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, newest_ptr
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program row: the evicted slot; its n next positions, the oldest n of the blocks' (n reductions over the
     n * NB candidates, held once); the merge probability and the counter-based draw (``cam_step.uniform_draws``
-    bit for bit: integer hashing on int64, the row's newest position being the blocks' newest); the (n, DV) tile
+    bit for bit: integer hashing on int64, the row's newest position being the blocks' newest, or with NEWEST_LAST
+    its last real slot's); the (n, DV) tile
     of target values; and the move of the row's last slot into the evicted one."""
     row = tl.program_id(0).to(tl.int64)
     victim = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
