@@ -17,10 +17,10 @@ def run(self, *args, grid, warmup, **kwargs):
     opts = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
     k = triton.compile(ASTSource(self, sig, cx), target=TARGET, options=opts)
     if self.fn.__name__ == "_decode_partials":
-        name = "PROBE" if bound.get("PROBE") else "plain"
+        name = ("PROBE" if bound.get("PROBE") else "plain") + f"_n{bound['BLOCK_N']}_w{opts.get('num_warps')}_s{opts.get('num_stages')}"
         open(f"/tmp/probe/{name}.cubin", "wb").write(k.asm["cubin"])
         out = subprocess.run([ptxas.replace("ptxas", "cuobjdump"), "-res-usage", f"/tmp/probe/{name}.cubin"], capture_output=True, text=True)
-        print(name, out.stdout[-400:], out.stderr[-300:])
+        print(name, [l.strip() for l in out.stdout.splitlines() if "REG" in l], out.stderr[-300:], flush=True)
 JITFunction.run = run
 from kvbench.kernels import triton_decode
 from kvbench.kernels.decode_attention import KeyProbe
@@ -28,5 +28,7 @@ B, H, C, D = 1, 8, 13108, 128
 keys, values = torch.randn(B, H, C, D).bfloat16(), torch.randn(B, H, C, D).bfloat16()
 pos, lengths = torch.arange(C).expand(B, H, C).contiguous(), torch.full((B, H), C)
 q = torch.randn(B, 4 * H, 1, D).bfloat16()
-triton_decode.decode_attention(q, keys, values, lengths, pos, None, 0.1, C, want_step=True, defer_step=True)
-triton_decode.decode_attention(q, keys, values, lengths, pos, None, 0.1, C, want_step=True, defer_step=True, probe=KeyProbe(torch.zeros(B, H, 2, dtype=torch.int32)))
+for tiles in [(64, 4, 3), (64, 4, 1), (64, 8, 3), (32, 4, 3), (32, 4, 2), (64, 8, 2)]:
+    triton_decode.DECODE_TILES = tiles
+    triton_decode.decode_attention(q, keys, values, lengths, pos, None, 0.1, C, want_step=True, defer_step=True)
+    triton_decode.decode_attention(q, keys, values, lengths, pos, None, 0.1, C, want_step=True, defer_step=True, probe=KeyProbe(torch.zeros(B, H, 2, dtype=torch.int32)))
