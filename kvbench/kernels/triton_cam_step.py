@@ -106,8 +106,8 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, att_ptr, newest_ptr
     """Program row: the evicted slot; its n next positions, the oldest n of the blocks' (n reductions over the
     n * NB candidates, held once); the merge probability and the counter-based draw (``cam_step.uniform_draws``
     bit for bit: integer hashing on int64, the row's newest position being the blocks' newest, or with NEWEST_LAST
-    its last real slot's); the (n, DV) tile
-    of target values; and the move of the row's last slot into the evicted one."""
+    its last real slot's); the (n, DV) tile of target values; and the move of the row's last slot into the evicted
+    one."""
     row = tl.program_id(0).to(tl.int64)
     victim = fold_blocks(best_ptr, oldest_ptr, slot_ptr, row, NB, BLOCK_NB)
     evicted = tl.load(pos_ptr + row * C + victim)
@@ -162,7 +162,6 @@ def cam_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     _merge_kernel[(rows,)](keys, values, positions, lengths, state, attention, blocks.newest, blocks.best,
                            blocks.oldest, blocks.slot, next_pos, next_slot, H, C, D, DV, S, rows * C,
                            0 if key is None else key, N, NB, DRAW=key is not None, NEWEST_LAST=newest_last,
-                           BLOCK_NB=block_size(NB),
-                           BLOCK_M=block_size(NB * N), BLOCK_N=block_size(N), BLOCK_D=block_size(D),
-                           BLOCK_DV=block_size(DV), BLOCK_S=block_size(S), num_warps=MERGE_WARPS,
-                           enable_fp_fusion=False)
+                           BLOCK_NB=block_size(NB), BLOCK_M=block_size(NB * N), BLOCK_N=block_size(N),
+                           BLOCK_D=block_size(D), BLOCK_DV=block_size(DV), BLOCK_S=block_size(S),
+                           num_warps=MERGE_WARPS, enable_fp_fusion=False)

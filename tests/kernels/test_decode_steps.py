@@ -296,8 +296,10 @@ def test_ems_step_matches_reference(shape, rule, dtype, output_tolerance):
 @pytest.mark.parametrize("name", ["d2o", "ems"])
 def test_best_match_ties_go_to_the_oldest_position_within_and_across_tiles(name):
     """Every key (and EMS's every value) along one axis: every cosine is exactly 1, so the tie rule alone picks the
-    match, the oldest eligible position, among shuffled slots over blocks of several tiles. The Triton scans keep
-    a best per lane of a tile and fold the lanes after the loop, so ties meet both inside a lane and across lanes."""
+    match, the oldest eligible position, among shuffled slots over blocks of several tiles. The Triton scans fold
+    every tile across its slots and the tiles in order, so ties meet inside a tile, across tiles and across blocks
+    (and a scan that kept a best per lane, folding the lanes after the loop, would meet them inside a lane and
+    across lanes: the lane-fold variant timed on 2026-11-29 reversed the rule there, and this test caught it)."""
     shape = (1, 2, 600, 16)
     assert triton_slots.row_blocks(2, 600, triton_d2o_step.BLOCK_S, torch.device("cpu"))[1] >= 3 * 64
 
