@@ -131,6 +131,7 @@ def main() -> None:
     for choice in itertools.product(*(values for _, values in overrides)):
         for ((module, name), _), value in zip(overrides, choice):
             setattr(MODULES[module], name, value)
+        triton_decode._programs_wanted.cache_clear()  # the split plans follow an overridden decode.WAVES
         label = ", ".join(f"{m}.{n}={v}" for ((m, n), _), v in zip(overrides, choice)) or "as committed"
         print(f"== {args.rows} rows x {args.kv_heads} heads x {args.slots} slots; {label}", flush=True)
         s = layer(args, device)

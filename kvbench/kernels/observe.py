@@ -24,9 +24,10 @@ def pass_observers(positions: Tensor, lengths: Tensor, num_queries: Tensor | Non
     A pass of q tokens counts as q observations, as q one-token steps would; ``num_queries=None`` counts as one
     query."""
     valid = torch.arange(positions.shape[-1], device=positions.device) < lengths.unsqueeze(-1)
-    queries = 1 if num_queries is None else num_queries.to(positions).view(-1, 1, 1)
     newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)  # (B, H, 1) the pass's last token
-    seen = torch.minimum((newest - positions + 1).clamp(min=0), torch.as_tensor(queries, device=valid.device))
+    seen = (newest - positions + 1).clamp(min=0)
+    # one query: a clamp, not a host scalar copied to the device (a copy a CUDA graph capture refuses)
+    seen = seen.clamp(max=1) if num_queries is None else torch.minimum(seen, num_queries.to(positions).view(-1, 1, 1))
     return seen.masked_fill(~valid, 0).float()
 
 
