@@ -8,6 +8,12 @@ KVBENCH_KERNEL_TESTS=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider t
 echo "== bench $(date +%T)"
 timeout 120 python3 $L/s12_probe_bench.py 1:13108:65536 104:3277:16384 > $OUT/probe_bench.log 2>&1
 grep -E "^==|attention|_kernel" $OUT/probe_bench.log
+echo "== waves $(date +%T)"  # more, shorter splits at batch one: D2O's attention and EMS's LUT launches
+timeout 60 python3 $L/s12_probe_bench.py --waves 2,4,8 1:6555:32768 1:13108:65536 > $OUT/waves.log 2>&1
+for slots in 6555 13108; do
+  timeout 60 python3 -m scripts.bench_ems_kernels --rows 1 --slots $slots --context $((slots * 5)) \
+      --only lut_attention --set decode.WAVES=2,4,8
+done >> $OUT/waves.log 2>&1; grep -E "^==|attention:" $OUT/waves.log
 echo "== grid $(date +%T)"  # only if the bench shows the probe paying at 104 rows (else stop here)
 timeout 200 python3 scripts/efficiency_grid.py --root /tmp/gpu/eff16 --models llama3.1-8b-shape-random \
     --methods full,d2o --repeats 2 --warmup 1 --lengths 16384 --new-tokens 32 --override task.measure=throughput \

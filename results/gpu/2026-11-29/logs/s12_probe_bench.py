@@ -1,9 +1,12 @@
 """D2O's one-query attention and step, key probe off and on, one layer, replayed from a CUDA graph (2026-11-29 s12).
 
     python results/gpu/2026-11-29/logs/s12_probe_bench.py 1:13108:65536 104:3277:16384   # rows:slots:context
+    python results/gpu/2026-11-29/logs/s12_probe_bench.py --waves 2,4,8 1:6555:32768 1:13108:65536
 
 Each shape: the attention alone, then the attention and ``d2o_step`` (whose previous call leaves the next hints:
 its runner-up), without and with a ``KeyProbe``; per-kernel device times from ``scripts.bench_ems_kernels.timed``.
+``--waves``: instead, the attention alone (no probe) at each ``triton_decode.WAVES`` (more, shorter splits: at
+batch one each program's chain of dependent loads, not the bytes, may set the time).
 """
 import sys
 
@@ -15,7 +18,7 @@ from kvbench.kernels.decode_attention import KeyProbe
 from scripts.bench_ems_kernels import timed
 
 
-def run(rows: int, slots: int, context: int) -> None:
+def run(rows: int, slots: int, context: int, waves: list[int]) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     B, H, C, D = rows, 8, slots, 128
     pos = torch.sort(torch.randperm(context - 1, generator=g)[:C - 1]).values
@@ -27,6 +30,15 @@ def run(rows: int, slots: int, context: int) -> None:
     n_keep = torch.full((B,), C - 1, device="cuda")
     query = torch.randn(B, H * 4, 1, D, generator=g).to("cuda", torch.bfloat16)
     hints = torch.full((B, H, 2), -1, dtype=torch.int32, device="cuda")
+    for count in waves:
+        triton_decode.WAVES = count
+        triton_decode._programs_wanted.cache_clear()
+        print(f"== {rows} x 8 x {slots}: {count} waves")
+        lines = timed(lambda: triton_decode.decode_attention(query, keys, values, lengths, pos, None, D ** -0.5, C,
+                                                            want_step=True, defer_step=True), "attention")
+        print("\n".join(lines), flush=True)
+    if waves:
+        return
     for probing in (False, True):
         for with_step in (False, True):
             def call():
@@ -41,5 +53,7 @@ def run(rows: int, slots: int, context: int) -> None:
             print("\n".join(timed(call, "attention" + (" + d2o_step" if with_step else ""))), flush=True)
 
 
-for spec in sys.argv[1:]:
-    run(*map(int, spec.split(":")))
+args = sys.argv[1:]
+wave_counts = [int(n) for n in args[1].split(",")] if args[:1] == ["--waves"] else []
+for spec in args[2:] if wave_counts else args:
+    run(*map(int, spec.split(":")), wave_counts)
