@@ -8,7 +8,7 @@ and the threshold (under ``threshold_scope=layer``) needs every head's best matc
    each block's lowest attention outside the row's sinks and recent window (12 bytes a slot): the victim is
    their fold, which the next two phases make from the blocks' results (a handful of values);
 2. grid (rows, blocks): the best cosine of the victim's key among each block's slots (ties: the oldest
-   position);
+   position); blocks of many tiles (a large batch) stream theirs (``_match_streamed_kernel``, the same bits);
 3. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
    values, the threshold on every slot, and the move of the row's last slot into the victim's.
 With the victim found inside phase 2, each of its programs (hundreds per row at batch 1, as many as the device
@@ -37,6 +37,11 @@ BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
 MATCH_WARPS = 4  # the best-match launch's: with 8 programs a multiprocessor, 4 warps each beat 8 (call 49)
+# _match_streamed_kernel's (keys a tile, warps): at 4 warps each of its sums has _match_kernel's layout, hence its
+# bits (tests/kernels/ptx_check.py asserts it); (32, 8) was 3 % faster at 104 rows but sums the victim's norm over
+# 8 warps (other bits on the H200)
+STREAMED_TILE = (32, MATCH_WARPS)
+STREAMED_MIN_SPAN = 512  # slots a program walks (BLOCK_S keys a tile) from which the streamed kernel is used
 EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
@@ -83,6 +88,50 @@ def _match_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, s
         cosine = tl.where(other, tl.math.div_rn(tl.sum(source[None, :] * key, 1), norm), float("-inf"))
         pos = tl.load(pos_ptr + row * C + s, mask=other, other=NO_POSITION)
         best, oldest, match = fold_highest(best, oldest, match, cosine, pos, s, other)
+    store_block(sim_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
+
+
+@triton.jit
+def _match_streamed_kernel(k_ptr, pos_ptr, len_ptr, low_ptr, low_pos_ptr, low_slot_ptr, sim_ptr, at_pos_ptr,
+                           at_slot_ptr, C, D, SPAN, NB, VNB, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_VNB: tl.constexpr):
+    """``_match_kernel``'s result, bit for bit, for programs that walk many tiles (a large batch): the next tile's
+    keys load while this one's cosines are made (the first tile's while the victim is folded), and each lane keeps
+    its own best (score, oldest position, slot; the fold's total order) so that the loop has no cross-warp
+    reduction; one ``fold_highest`` at the end. 104 rows x 8 heads x 3,277 slots: 281 -> 220 us on an H200; at
+    batch one (two tiles a program) 14.6 -> 15.0 us, hence ``STREAMED_MIN_SPAN`` (s13 call 3)."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    length = tl.load(len_ptr + row)
+    end = tl.minimum(block * SPAN + SPAN, length)
+    d = tl.arange(0, BLOCK_D)
+    s = block * SPAN + tl.arange(0, BLOCK_S)
+    key = tl.load(k_ptr + (row * C + s[:, None]) * D + d[None, :], mask=(s < end)[:, None] & (d[None, :] < D),
+                  other=0.0)
+    pos = tl.load(pos_ptr + row * C + s, mask=s < end, other=NO_POSITION)
+    victim = fold_blocks(low_ptr, low_pos_ptr, low_slot_ptr, row, VNB, BLOCK_VNB)
+    source = tl.load(k_ptr + (row * C + victim) * D + d, mask=d < D, other=0.0).to(tl.float32)
+    source = tl.math.div_rn(source, tl.maximum(tl.sqrt_rn(tl.sum(source * source, 0)), EPS))
+    best = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    oldest = tl.full((BLOCK_S,), NO_POSITION, tl.int64)
+    match = tl.full((BLOCK_S,), -1, tl.int64)
+    for s0 in range(block * SPAN, block * SPAN + SPAN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        after = s + BLOCK_S
+        next_key = tl.load(k_ptr + (row * C + after[:, None]) * D + d[None, :],
+                           mask=(after < end)[:, None] & (d[None, :] < D), other=0.0)
+        next_pos = tl.load(pos_ptr + row * C + after, mask=after < end, other=NO_POSITION)
+        tile = key.to(tl.float32)
+        norm = tl.maximum(tl.sqrt_rn(tl.sum(tile * tile, 1)), EPS)
+        other = (s < end) & (s != victim)
+        cosine = tl.math.div_rn(tl.sum(source[None, :] * tile, 1), norm)  # as _match_kernel's
+        # a lane meets its slots in rising order: an equal (cosine, position) keeps the lower slot, as the fold does
+        better = other & ((cosine > best) | ((cosine == best) & (pos < oldest)))
+        best, oldest, match = (tl.where(better, cosine, best), tl.where(better, pos, oldest),
+                               tl.where(better, s, match))
+        key, pos = next_key, next_pos
+    best, oldest, match = fold_highest(tl.full((), float("-inf"), tl.float32), tl.full((), NO_POSITION, tl.int64),
+                                       tl.full((), -1, tl.int64), best, oldest, match, match >= 0)
     store_block(sim_ptr, at_pos_ptr, at_slot_ptr, row * NB + block, best, oldest, match)
 
 
@@ -151,9 +200,13 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
     _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H, C,
                                 victim_span, VNB, n_heavy, n_recent, n_sinks, NEWEST_LAST=newest_last,
                                 BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(VNB))
-    _match_kernel[(rows, NB)](keys, positions, lengths, low, low_position, low_slot, similarity, at_position, at_slot,
-                              C, D, span, NB, VNB, BLOCK_S=BLOCK_S, BLOCK_D=block_size(D), BLOCK_VNB=block_size(VNB),
-                              num_warps=MATCH_WARPS)
+    if span >= STREAMED_MIN_SPAN:
+        match_kernel, (block_s, warps) = _match_streamed_kernel, STREAMED_TILE
+    else:
+        match_kernel, block_s, warps = _match_kernel, BLOCK_S, MATCH_WARPS
+    match_kernel[(rows, NB)](keys, positions, lengths, low, low_position, low_slot, similarity, at_position, at_slot,
+                             C, D, span, NB, VNB, BLOCK_S=block_s, BLOCK_D=block_size(D),
+                             BLOCK_VNB=block_size(VNB), num_warps=warps)
     _merge_kernel[(rows,)](keys, values, positions, lengths, state, threshold, low, low_position, low_slot,
                            similarity, at_position, at_slot, H, C, D, DV, S, B * H * C, NB, VNB, beta, 1 - beta,
                            math.e if weighted else 1.0, LAYER_SCOPE=layer_scope, WEIGHTED=weighted,

@@ -6,12 +6,15 @@ scalar forms), so every launch of the wrappers below is turned into a compilatio
 argument types and constexprs. Run without TRITON_INTERPRET (``test_decode_steps`` runs it in a child
 process):
     PYTHONPATH=. python tests/kernels/ptx_check.py
-Prints the number of variants compiled; a compile error exits non-zero with Triton's message.
+Prints the number of variants compiled; a compile error exits non-zero with Triton's message. D2O's streamed best
+match must give the tiled one's bits: every float sum of both must have the same layout (which fixes the order of
+its additions), or the check fails.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +27,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8",
             torch.bool: "*i1"}
 compiled: list[str] = []
+ttgir: dict[str, str] = {}  # each kernel's last compilation, in Triton's GPU dialect
 
 
 def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
@@ -42,8 +46,24 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         else:
             signature[param.name] = "fp32"
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "enable_fp_fusion")}
-    triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
     compiled.append(self.fn.__name__)
+    ttgir[self.fn.__name__] = kernel.asm["ttgir"]
+
+
+def float_sums(code: str, rows: int) -> set[str]:
+    """Each float sum's axis and operand layout in a kernel's TTGIR, its tile's ``rows`` written S: the layout
+    fixes the order of the additions, so two kernels whose sums have the same layouts round them alike."""
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg.blocked(<\{[^}]*\}>)", code, re.M))
+    lines, sums = code.splitlines(), set()
+    for i, line in enumerate(lines):
+        if '"tt.reduce"' not in line:
+            continue
+        end = next(j for j in range(i, len(lines)) if "}) :" in lines[j])
+        if "arith.addf" in " ".join(lines[i:end]):
+            operand = re.sub(r"#blocked\d*", lambda name: layouts[name.group(0)], lines[end].split("}) :")[1])
+            sums.add(re.search(r"axis = \d+", line).group(0) + operand.split("->")[0].replace(f"<{rows}x", "<Sx"))
+    return sums
 
 
 def main() -> None:
@@ -73,6 +93,11 @@ def main() -> None:
     triton_slots.evict_lowest(state[0][:, :1].expand(B, H, C), lengths, positions, none, none, keys, values, state)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
+    triton_d2o_step.STREAMED_MIN_SPAN = 0  # the streamed best match on the same keys
+    triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
+    streamed, tiled = (float_sums(ttgir[name], rows) for name, rows in (
+        ("_match_streamed_kernel", triton_d2o_step.STREAMED_TILE[0]), ("_match_kernel", triton_d2o_step.BLOCK_S)))
+    assert streamed == tiled, f"D2O's streamed best match sums in other layouts: {streamed ^ tiled}"
     table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))
     for lut, gamma, similarity, with_positions, bias in ((table, 4.0, "key_value", False, None),
                                                           (None, float("inf"), "key", True, state[5]),

@@ -246,6 +246,35 @@ def test_d2o_step_over_blocks_matches_reference(layer_scope):
     assert_same_cache(got, want, {"atol": 1e-5, "rtol": 1e-5}, state_tolerance=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ties", [False, True], ids=["general", "ties"])
+def test_d2o_streamed_match_gives_the_match_kernels_bits(dtype, ties, monkeypatch):
+    """The best match streamed (large batches: the next tile loaded ahead, a best per lane folded once) and the
+    match kernel's fold tile by tile: the same victim's cosines, match and merge, bit for bit, exact ties
+    among the matches included (keys along one axis) and ragged rows. On a GPU the bits hold while both kernels
+    sum in the same layouts (tests/kernels/ptx_check.py); at 8 warps the streamed one did not, on an H200."""
+    def make():
+        s = storage(3, 2, 700, 16, 3, dtype, 5)
+        s["state"][2] = 0.3
+        if ties:
+            s["keys"][..., 1::3, :] = 0
+            s["keys"][..., 1::3, 0] = 2.0
+            s["state"][1, ..., 1::3] = 0
+        return s
+
+    def call(min_span):
+        monkeypatch.setattr(triton_d2o_step, "STREAMED_MIN_SPAN", min_span)
+        s = make()
+        triton_d2o_step.d2o_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1],
+                                 s["state"][2], s["n_keep"], 3, 1, 2, 0.7, False, True)
+        return s
+
+    streamed, tiled = call(0), call(2**62)
+    assert triton_slots.row_blocks(6, 700, triton_d2o_step.BLOCK_S, torch.device("cpu"))[1] > 2 * 32
+    for name in ("keys", "values", "positions", "lengths", "state"):
+        assert torch.equal(streamed[name].nan_to_num(7.0), tiled[name].nan_to_num(7.0)), name
+
+
 # (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
 # gamma just above 1 (a TBM share only for budgets >= 5), and each key rule (lut, bias with/without positions)
 EMS_RULES = [(0.0, 4.0, "key_value", True, False, False), (0.5, 1.0, "key_value", True, False, False),
