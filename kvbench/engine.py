@@ -372,13 +372,15 @@ class Session:
         """Layer ``index``'s observation of the pass, then its ``action`` (``eviction``)."""
         engine, method = self.engine, self.engine.method
         stats = self.cache.pass_stats[index]
-        method.observe(index, layer.kv, stats)
-        if action == "in_place" and q == 1 and method.unrotates_in_place:
+        one_in_place = action == "in_place" and q == 1
+        if not one_in_place:
+            method.observe(index, layer.kv, stats)
+        if one_in_place and method.unrotates_in_place:
             stats.rope = engine.rope  # the step un-RoPEs the keys it reads, not a copy of the cache
-        elif action != "none":
+        elif action != "none":  # the raw keys un-RoPE the stored keys, which observing leaves as they are
             stats = engine.with_raw_keys(layer.kv, stats, method.decode_needs, decoding=True)
-        if action == "in_place" and q == 1:
-            method.evict_one(index, layer.kv, stats, self.layer_n_keep[index])
+        if one_in_place:
+            method.observe_and_evict_one(index, layer.kv, stats, self.layer_n_keep[index])
             layer.removed_one()
         elif action in ("in_place", "compress"):
             kv, stats = engine._ordered(layer.kv, layer.ordered, stats)

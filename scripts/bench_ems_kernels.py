@@ -4,9 +4,11 @@ One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slot
 step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full, bfloat16 keys
 that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
 the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head, and D2O's
-``d2o_step`` (victim, best match over every key, merge) and CaM's ``cam_step`` (H2O's victim, the next
-``merge_tokens`` positions, the draw and the merge) over the same keys and positions. Each is
-captured as a CUDA graph of ``STEPS`` calls and replayed; the profiler's kernel times are per call.
+``d2o_step`` (victim, best match over every key, merge); D2O's observation and step as the engine's in-place
+path runs them (the step attention's launch then ``d2o_step``, against ``d2o_step`` making the step attention in
+its first launch); and CaM's ``cam_step`` (H2O's victim, the next ``merge_tokens`` positions, the draw and the
+merge) over the same keys and positions. Each is captured as a CUDA graph of ``STEPS`` calls and replayed; the
+profiler's kernel times are per call.
 
     python -m scripts.bench_ems_kernels --rows 1 --slots 6555
     python -m scripts.bench_ems_kernels --rows 32 --slots 3277
@@ -122,7 +124,8 @@ def main() -> None:
     parser.add_argument("--table-fill", type=float, default=0.9)
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=V1,V2",
                         help=f"override a tile constant (a tuple: 64:4:3); modules: {', '.join(MODULES)}")
-    parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step", "cam_step"), default=None)
+    parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step", "d2o_observe_step", "cam_step"),
+                        default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     rope = TableRope(args.head_dim, device)
@@ -157,6 +160,20 @@ def main() -> None:
                          s["n_keep"], 3, 1, 4, 0.7, False, True, newest_last=True)  # as after a decode pass
                 s["lengths"].fill_(args.slots)
             print("\n".join(timed(d2o, "d2o_step")), flush=True)
+        if args.only in (None, "d2o_observe_step"):
+            attention, threshold = s["state"][0], s["state"][1].zero_()
+            logits = torch.randn(args.rows, args.kv_heads * args.group, args.slots, device=device) * 2
+            pending = triton_decode.PendingStep(logits, logits.logsumexp(-1), args.group, args.slots)
+
+            def observe_then_step(fused: bool):
+                if not fused:  # D2O's observe: the step attention's own launch
+                    pending(into=attention)
+                d2o_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], attention, threshold,
+                         s["n_keep"], 3, 1, 4, 0.7, False, True, newest_last=True, step=pending if fused else None)
+                s["lengths"].fill_(args.slots)
+            for fused in (False, True):
+                label = "step attention in d2o_step's first launch" if fused else "step attention, then d2o_step"
+                print("\n".join(timed(lambda: observe_then_step(fused), label)), flush=True)
         if args.only in (None, "cam_step"):
             attention = s["state"][0]
 

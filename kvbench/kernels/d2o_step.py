@@ -17,6 +17,7 @@ threshold repeated on every slot, NaN before the first eviction); n_keep (B,) lo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -56,15 +57,20 @@ def merge_terms(similarity: Tensor, weighted: bool) -> tuple[float, Tensor, Tens
 
 def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
              threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
-             layer_scope: bool, weighted: bool, newest_last: bool = False) -> None:
+             layer_scope: bool, weighted: bool, newest_last: bool = False,
+             step: Callable[..., Tensor] | None = None) -> None:
     """Merge and remove one slot of every row in place (module docstring); ``lengths`` drop by one.
     ``newest_last``: each row's newest position is its last real slot's (a decode step appended it there): the
-    Triton step reads it there instead of scanning; here the maximum, the same position."""
+    Triton step reads it there instead of scanning; here the maximum, the same position. ``step``: the pass's
+    step attention, pending (``AttentionStats.pending_step``), added to ``attention`` first (D2O's ``observe``);
+    the Triton step makes it inside its first launch."""
     if use_triton("d2o_step", keys):
         from kvbench.kernels import triton_d2o_step
 
         return triton_d2o_step.d2o_step(keys, values, positions, lengths, state, attention, threshold, n_keep,
-                                        n_heavy, n_recent, n_sinks, beta, layer_scope, weighted, newest_last)
+                                        n_heavy, n_recent, n_sinks, beta, layer_scope, weighted, newest_last, step)
+    if step is not None:
+        step(into=attention)
     keep = torch.minimum(n_keep.to(lengths).unsqueeze(-1), lengths)  # (B, H)
     victim = select_lowest(attention, lengths, positions, *protection(keep, n_heavy, n_recent, n_sinks))
     slots = torch.arange(positions.shape[-1], device=positions.device)

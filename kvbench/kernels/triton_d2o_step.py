@@ -6,7 +6,10 @@ and the threshold (under ``threshold_scope=layer``) needs every head's best matc
 1. grid (rows, blocks): the newest position of each block of the row (``triton_slots.newest_by_blocks``; not with
    ``newest_last``, where the row's last real slot holds it), then
    each block's lowest attention outside the row's sinks and recent window (12 bytes a slot): the victim is
-   their fold, which the next two phases make from the blocks' results (a handful of values);
+   their fold, which the next two phases make from the blocks' results (a handful of values); given a one-query
+   pass's step attention still pending (``step``, a ``triton_decode.PendingStep``), this launch makes it and adds
+   it to the accumulated attention first (``_step_victim_kernel``, on the step launch's blocks of slots): the
+   step attention's own launch and the victim's are one;
 2. grid (rows, blocks): the best cosine of the victim's key among each block's slots (ties: the oldest
    position); blocks of many tiles (a large batch) stream theirs (``_match_streamed_kernel``, the same bits);
 3. grid (rows,): the best of the row's blocks, the EMA threshold, the weighted merge of two keys and two
@@ -23,15 +26,17 @@ within that of the threshold or of another slot's cosine.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_decode import INTERPRETED, STEP_BLOCK, PendingStep, group_mean_factor, step_mean
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
-                                          fold_blocks, fold_highest, lowest_in, move_last, newest_by_blocks,
-                                          row_blocks, row_newest, scan_tile, store_block)
+                                          fold_blocks, fold_highest, fold_lowest, lowest_in, move_last,
+                                          newest_by_blocks, row_blocks, row_newest, scan_tile, store_block)
 
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -46,6 +51,14 @@ EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
 @triton.jit
+def _protection(keep_ptr, row, H, length, N_HEAVY, N_RECENT, N_SINKS):
+    """(sinks, recent) of a row of ``length`` slots (``d2o_step.protection`` of its budget, clamped to the row)."""
+    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
+    recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
+    return tl.minimum(keep - recent, N_SINKS), recent
+
+
+@triton.jit
 def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, oldest_ptr, slot_ptr, H, C, span, NB,
                    N_HEAVY, N_RECENT, N_SINKS, NEWEST_LAST: tl.constexpr, BLOCK_C: tl.constexpr,
                    BLOCK_NB: tl.constexpr):
@@ -53,13 +66,35 @@ def _victim_kernel(att_ptr, pos_ptr, len_ptr, keep_ptr, newest_ptr, best_ptr, ol
     (d2o_step.protection; the row's newest position is the blocks', or the last real slot's: ``row_newest``)."""
     row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     length = tl.load(len_ptr + row)
-    keep = tl.minimum(tl.load(keep_ptr + row // H), length)
-    recent = keep * N_RECENT // (N_HEAVY + N_RECENT)
-    sinks = tl.minimum(keep - recent, N_SINKS)
+    sinks, recent = _protection(keep_ptr, row, H, length, N_HEAVY, N_RECENT, N_SINKS)
     newest = row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST, BLOCK_NB)
     start = block * span
     best, oldest, slot = lowest_in(att_ptr + row * C, pos_ptr, row, length, sinks, recent, newest, 1, C, start,
                                    tl.minimum(start + span, C), True, BLOCK_C)
+    store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, slot)
+
+
+@triton.jit
+def _step_victim_kernel(logit_ptr, lse_ptr, att_ptr, pos_ptr, len_ptr, keep_ptr, best_ptr, oldest_ptr, slot_ptr, H,
+                        C, span, factor, NB, N_HEAVY, N_RECENT, N_SINKS, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                        EXACT_EXP: tl.constexpr):
+    """Program (block of BLOCK slots, row): the pass's step attention added to the row's accumulated attention
+    (``triton_decode._step_attention``'s launch, the same bits), then, from those sums in registers, the block's
+    lowest outside the sinks and the recent window (``_victim_kernel``'s; the newest position is the row's last
+    slot's, as after a one-query pass)."""
+    block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    c = block * BLOCK + tl.arange(0, BLOCK)
+    score = step_mean(logit_ptr, lse_ptr, row, c, C, span, factor, GROUP, BLOCK, EXACT_EXP)
+    score += tl.load(att_ptr + row * C + c, mask=c < C, other=0.0)
+    tl.store(att_ptr + row * C + c, score, mask=c < C)
+    length = tl.load(len_ptr + row)
+    sinks, recent = _protection(keep_ptr, row, H, length, N_HEAVY, N_RECENT, N_SINKS)
+    newest = row_newest(pos_ptr, pos_ptr, row, length, C, 1, True, 2)
+    real = c < length
+    pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
+    free = real & (c >= sinks) & (pos <= newest - recent)
+    best, oldest, slot = fold_lowest(tl.full((), float("inf"), tl.float32), tl.full((), NO_POSITION, tl.int64),
+                                     tl.full((), 0, tl.int64), score, pos, c, free)
     store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, slot)
 
 
@@ -185,21 +220,33 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, low_ptr, l
 
 def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
              threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
-             layer_scope: bool, weighted: bool, newest_last: bool = False) -> None:
+             layer_scope: bool, weighted: bool, newest_last: bool = False,
+             step: Callable[..., Tensor] | None = None) -> None:
     B, H, C, D = keys.shape
     check_storage(lengths, keys, values, positions, state, attention, threshold)
     S, DV, rows = state.shape[0], values.shape[-1], B * H
     NB, span = row_blocks(rows, C, BLOCK_S, keys.device)
     n_keep = n_keep.to(lengths).contiguous()
-    VNB, victim_span = row_blocks(rows, C, BLOCK_SCAN, keys.device)  # the victim's blocks
-    newest = newest_by_blocks(positions, lengths, VNB, victim_span, wanted=not newest_last)
+    fused = isinstance(step, PendingStep) and newest_last and step.logits.shape == (B, H * step.group, C)
+    if step is not None and not fused:
+        step(into=attention)
+    # the victim's blocks: the step attention's with the step fused in
+    VNB, victim_span = (triton.cdiv(C, STEP_BLOCK), STEP_BLOCK) if fused else row_blocks(rows, C, BLOCK_SCAN,
+                                                                                          keys.device)
     low_position, low_slot = (torch.empty(rows * VNB, dtype=torch.long, device=keys.device) for _ in range(2))
     low = torch.empty(rows * VNB, dtype=torch.float32, device=keys.device)
     similarity = torch.empty(rows, NB, dtype=torch.float32, device=keys.device)
     at_position, at_slot = (torch.empty(rows, NB, dtype=torch.long, device=keys.device) for _ in range(2))
-    _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H, C,
-                                victim_span, VNB, n_heavy, n_recent, n_sinks, NEWEST_LAST=newest_last,
-                                BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(VNB))
+    if fused:
+        _step_victim_kernel[(VNB, rows)](step.logits, step.lse.contiguous(), attention, positions, lengths, n_keep,
+                                         low, low_position, low_slot, H, C, step.span, group_mean_factor(step.group),
+                                         VNB, n_heavy, n_recent, n_sinks, GROUP=step.group, BLOCK=STEP_BLOCK,
+                                         EXACT_EXP=not INTERPRETED, enable_fp_fusion=False)
+    else:
+        newest = newest_by_blocks(positions, lengths, VNB, victim_span, wanted=not newest_last)
+        _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H,
+                                    C, victim_span, VNB, n_heavy, n_recent, n_sinks, NEWEST_LAST=newest_last,
+                                    BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(VNB))
     if span >= STREAMED_MIN_SPAN:
         match_kernel, (block_s, warps) = _match_streamed_kernel, STREAMED_TILE
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -128,15 +129,14 @@ def _decode_combine(
 
 
 @triton.jit
-def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                    EXACT_EXP: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """One program per (block of slots, b * H_kv + kv head): the mean over the group's query heads of
-    exp(logit - lse), the heads summed in torch's order and the sum times ``factor`` (float32 1/GROUP), as torch's
-    mean; an lse that is -inf or NaN counts as 0 and +inf as the largest float (``nan_to_num``); slots from
-    ``span`` on are 0 (their logits are not written). EXACT_EXP: libdevice's exp (torch's on CUDA); the interpreter has
-    numpy's. ACCUMULATE: added to what ``out`` holds (one float32 addition, as torch's ``add_``), not stored."""
-    block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    c = block * BLOCK + tl.arange(0, BLOCK)
+def step_mean(logit_ptr, lse_ptr, row, c, C, span, factor, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+              EXACT_EXP: tl.constexpr):
+    """(BLOCK,) the step attention of slots ``c`` of row ``row`` (b * H_kv + kv head): the mean over the group's
+    query heads of exp(logit - lse), the heads summed in torch's order and the sum times ``factor`` (float32
+    1/GROUP), as torch's mean; an lse that is -inf or NaN counts as 0 and +inf as the largest float
+    (``nan_to_num``); slots from ``span`` on are 0 (their logits are not written). EXACT_EXP: libdevice's exp
+    (torch's on CUDA); the interpreter has numpy's. A launch that adds to it turns floating-point contraction off:
+    the mean is rounded before the addition, as torch's."""
     # torch's reduction keeps four partial sums (head g in sum g % 4), added in order at the end
     sum0 = tl.zeros((BLOCK,), tl.float32)
     sum1 = tl.zeros((BLOCK,), tl.float32)
@@ -160,7 +160,17 @@ def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.cons
             sum2 += p
         else:
             sum3 += p
-    mean = (((sum0 + sum1) + sum2) + sum3) * factor
+    return (((sum0 + sum1) + sum2) + sum3) * factor
+
+
+@triton.jit
+def _step_attention(logit_ptr, lse_ptr, out_ptr, C, span, factor, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                    EXACT_EXP: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """One program per (block of slots, b * H_kv + kv head): ``step_mean``, stored; ACCUMULATE: added to what
+    ``out`` holds (one float32 addition, as torch's ``add_``)."""
+    block, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    c = block * BLOCK + tl.arange(0, BLOCK)
+    mean = step_mean(logit_ptr, lse_ptr, row, c, C, span, factor, GROUP, BLOCK, EXACT_EXP)
     if ACCUMULATE:
         mean += tl.load(out_ptr + row * C + c, mask=c < C, other=0.0)
     tl.store(out_ptr + row * C + c, mean, mask=c < C)
@@ -179,11 +189,29 @@ def step_attention(logits: Tensor, lse: Tensor, group: int, span: int, into: Ten
                                  and into.is_contiguous()):
         return into.add_(step_attention(logits, lse, group, span))
     out = logits.new_empty(B, Hq // group, C) if into is None else into
-    factor = float(np.float32(1) / np.float32(group))  # float32 division: the factor torch's mean multiplies by
     _step_attention[(triton.cdiv(C, STEP_BLOCK), B * (Hq // group))](
-        logits, lse.contiguous(), out, C, span, factor, GROUP=group, BLOCK=STEP_BLOCK, EXACT_EXP=not INTERPRETED,
-        ACCUMULATE=into is not None, enable_fp_fusion=False)  # the mean is rounded before the addition, as torch's
+        logits, lse.contiguous(), out, C, span, group_mean_factor(group), GROUP=group, BLOCK=STEP_BLOCK,
+        EXACT_EXP=not INTERPRETED, ACCUMULATE=into is not None, enable_fp_fusion=False)
     return out
+
+
+def group_mean_factor(group: int) -> float:
+    """float32 1 / group: the factor torch's mean over ``group`` heads multiplies by."""
+    return float(np.float32(1) / np.float32(group))
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A one-query pass's step attention not made yet (``AttentionStats.pending_step``): called, ``step_attention``
+    of the pass's ``logits`` and ``lse``; with ``into=``, added to that tensor in place. A method's eviction may
+    make it inside its own first launch instead (``triton_d2o_step``), from these fields."""
+    logits: Tensor
+    lse: Tensor
+    group: int
+    span: int
+
+    def __call__(self, into: Tensor | None = None) -> Tensor:
+        return step_attention(self.logits, self.lse, self.group, self.span, into)
 
 
 @functools.cache
@@ -244,5 +272,5 @@ def decode_attention(
     )
     if not want_step:
         return out, None
-    step = functools.partial(step_attention, logits, lse, group, span)
+    step = PendingStep(logits, lse, group, span)
     return out, step if defer_step else step()

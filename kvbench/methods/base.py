@@ -159,6 +159,13 @@ class Method:
         """Called after every decode step on every layer, before any compression: update per-slot state
         in place (e.g. H2O accumulates the new query's attention). Default: nothing."""
 
+    def observe_and_evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``observe`` then ``evict_one``: what the engine calls on a one-token step that evicts in place. A method
+        may do the two in fewer launches (D2O makes the pending step attention inside its eviction's first one);
+        the cache must come out as from the two calls."""
+        self.observe(layer, kv, stats)
+        self.evict_one(layer, kv, stats, n_keep)
+
 
 def check_positive(method: str, **values: float) -> None:
     """Raise a ConfigError naming every value that is not > 0."""

@@ -56,6 +56,7 @@ a decode step in place (``evict_one``): O(T) selection, O(S_l * d) matching, O(d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -204,10 +205,25 @@ class D2O(Method):
         the sinks and the recent window leaves, merges into its most similar remaining slot when the cosine
         passes the EMA threshold (the only slot whose key and value change), and every slot takes the new
         threshold (``kernels.d2o_step``: four launches with the Triton backend, three after a one-query pass, whose
-        appended token holds each row's newest position in its last slot)."""
+        appended token holds each row's newest position in its last slot; ``observe_and_evict_one`` makes that
+        pass's step attention in the first of them)."""
+        self._evict(kv, stats, n_keep)
+
+    def observe_and_evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
+        """``observe`` and ``evict_one`` in one: a step attention still pending is made and accumulated inside the
+        step's first launch (with the Triton backend after a one-query pass: the victim's search), not in a
+        launch of its own."""
+        if ATTENTION in kv.state and stats.step_attention is None and stats.pending_step is not None:
+            self._evict(kv, stats, n_keep, step=stats.pending_step)
+        else:
+            super().observe_and_evict_one(layer, kv, stats, n_keep)
+
+    def _evict(self, kv: LayerKV, stats: AttentionStats, n_keep: Tensor,
+               step: Callable[..., Tensor] | None = None) -> None:
         d2o_step(kv.keys, kv.values, kv.positions, kv.lengths, kv.state_storage(), kv.state[ATTENTION],
                  kv.state[THRESHOLD], n_keep, self.n_heavy, self.n_recent, self.n_sinks, self.beta,
-                 self.threshold_scope == "layer", self.merge_rule == "weighted", newest_last=stats.one_query)
+                 self.threshold_scope == "layer", self.merge_rule == "weighted", newest_last=stats.one_query,
+                 step=step)
 
     def _protected(self, keep: Tensor) -> tuple[Tensor, Tensor]:
         """(sinks, recent), (B, H) each, of a (B, H) budget: the recent share floored, sinks inside the rest."""

@@ -71,7 +71,7 @@ def main() -> None:
     JITFunction.run = compile_instead_of_launch
     from kvbench.kernels import (triton_cam_step, triton_d2o_step, triton_ems_step, triton_observe, triton_partner_merge,
                                  triton_slots)
-    from kvbench.kernels import triton_matching, triton_weightedkv_step
+    from kvbench.kernels import triton_decode, triton_matching, triton_weightedkv_step
 
     B, H, C, D = 2, 8, 300, 128
     keys, values = torch.randn(B, H, C, D).bfloat16(), torch.randn(B, H, C, D).bfloat16()
@@ -93,6 +93,9 @@ def main() -> None:
     triton_slots.evict_lowest(state[0][:, :1].expand(B, H, C), lengths, positions, none, none, keys, values, state)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 1, 0.7, True, False)
+    pending = triton_decode.PendingStep(torch.randn(B, 4 * H, C), torch.randn(B, 4 * H), 4, C)
+    triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True, newest_last=True,
+                             step=pending)  # the step attention made in the step's first launch
     triton_d2o_step.STREAMED_MIN_SPAN = 0  # the streamed best match on the same keys
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
     streamed, tiled = (float_sums(ttgir[name], rows) for name, rows in (

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import kvbench.kernels
 
 from kvbench.attention import Rope
-from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step,
+from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step, triton_decode,
                              triton_ems_step, triton_observe, triton_slots, triton_weightedkv_step, weightedkv_step)
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kv import AttentionStats, LayerKV
@@ -273,6 +273,58 @@ def test_d2o_streamed_match_gives_the_match_kernels_bits(dtype, ties, monkeypatc
     assert triton_slots.row_blocks(6, 700, triton_d2o_step.BLOCK_S, torch.device("cpu"))[1] > 2 * 32
     for name in ("keys", "values", "positions", "lengths", "state"):
         assert torch.equal(streamed[name].nan_to_num(7.0), tiled[name].nan_to_num(7.0)), name
+
+
+@pytest.mark.parametrize("layer_scope", [False, True], ids=["head", "layer"])
+def test_d2o_step_with_the_pending_step_attention_fused(layer_scope):
+    """D2O's step given the pass's pending step attention (``triton_decode.PendingStep``) makes it inside its
+    first launch: the accumulated attention, the victim, the merge and the threshold are, bit for bit, those
+    of the step attention's own launch followed by the step. Rows span several of the step launch's blocks;
+    the lowest attention sits on the protected slots, and the victim on either edge of the protection: the
+    first slot after the sinks, or the newest position outside the recent window (ties among the rest)."""
+    B, H, group, C, n_heavy, n_recent, n_sinks = 2, 2, 3, 2500, 3, 1, 2
+
+    def make():
+        s = storage(B, H, C, 16, 3, torch.float32, 11)
+        s["state"][2] = 0.3
+        s["lengths"] = torch.tensor([[2500, 1900], [1200, 1500]])
+        s["n_keep"] = torch.tensor([900, 1400])
+        g = torch.Generator().manual_seed(12)
+        for b in range(B):
+            for h in range(H):  # positions 0..L-1: the sinks first, the newest last (as after a one-query pass)
+                L = int(s["lengths"][b, h])
+                s["positions"][b, h, :L] = torch.cat([torch.arange(2), 2 + torch.randperm(L - 3, generator=g),
+                                                      torch.tensor([L - 1])])
+                keep = min(int(s["n_keep"][b]), L)
+                recent = keep * n_recent // (n_heavy + n_recent)
+                pos, att = s["positions"][b, h, :L], s["state"][1, b, h, :L]
+                att[:n_sinks] = -100.0
+                att[pos > L - 1 - recent] = -100.0
+                att[5::7] = -50.0  # ties, to the oldest position
+                if (b + h) % 2 == 0:  # the victim: the first slot after the sinks, holding the oldest free position
+                    edge, oldest_free = n_sinks, int((pos == n_sinks).nonzero())
+                    pos[[edge, oldest_free]] = pos[[oldest_free, edge]]
+                else:  # the victim: the newest position outside the recent window
+                    edge = int((pos == L - 1 - recent).nonzero())
+                att[edge] = -60.0
+        logits = torch.randn(B, H * group, C, generator=g) * 3
+        logits[..., C - 7:] = float("-inf")
+        s["step"] = triton_decode.PendingStep(logits, torch.randn(B, H * group, generator=g), group, C - 3)
+        return s
+
+    def call(s, fused):
+        step = s["step"]
+        if not fused:
+            step(into=s["state"][1])
+        triton_d2o_step.d2o_step(s["keys"], s["values"], s["positions"], s["lengths"], s["state"], s["state"][1],
+                                 s["state"][2], s["n_keep"], n_heavy, n_recent, n_sinks, 0.7, layer_scope, True,
+                                 newest_last=True, step=step if fused else None)
+        return s
+
+    assert C > 2 * triton_decode.STEP_BLOCK
+    fused, apart = call(make(), True), call(make(), False)
+    for name in ("keys", "values", "positions", "lengths", "state"):
+        assert torch.equal(fused[name].nan_to_num(7.0), apart[name].nan_to_num(7.0)), name
 
 
 # (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
