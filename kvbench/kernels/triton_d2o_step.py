@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvbench.kernels.triton_decode import INTERPRETED, STEP_BLOCK, PendingStep, group_mean_factor, step_mean
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
-                                          fold_blocks, fold_highest, fold_lowest, lowest_in, move_last,
+                                          droppable, fold_blocks, fold_highest, fold_lowest, lowest_in, move_last,
                                           newest_by_blocks, row_blocks, row_newest, scan_tile, store_block)
 
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
@@ -92,9 +92,9 @@ def _step_victim_kernel(logit_ptr, lse_ptr, att_ptr, pos_ptr, len_ptr, keep_ptr,
     newest = row_newest(pos_ptr, pos_ptr, row, length, C, 1, True, 2)
     real = c < length
     pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
-    free = real & (c >= sinks) & (pos <= newest - recent)
     best, oldest, slot = fold_lowest(tl.full((), float("inf"), tl.float32), tl.full((), NO_POSITION, tl.int64),
-                                     tl.full((), 0, tl.int64), score, pos, c, free)
+                                     tl.full((), 0, tl.int64), score, pos, c,
+                                     droppable(c, pos, real, sinks, recent, newest))
     store_block(best_ptr, oldest_ptr, slot_ptr, row * NB + block, best, oldest, slot)
 
 

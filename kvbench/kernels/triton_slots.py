@@ -89,6 +89,13 @@ def next_in(pos_ptr, row, length, after, C, start, stop, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def droppable(c, pos, real, sinks, recent, newest):
+    """Which of slots ``c`` (positions ``pos``) may be dropped: real, from the ``sinks``-th on, their position at
+    least ``recent`` before ``newest``."""
+    return real & (c >= sinks) & (pos <= newest - recent)
+
+
+@triton.jit
 def lowest_in(score_row, pos_ptr, row, length, sinks, recent, newest, age_sign, C, start, stop,
               BY_SCORE: tl.constexpr, BLOCK_C: tl.constexpr):
     """(lowest score, its position, its slot) among one row's slots [start, stop) that may be dropped: real,
@@ -106,8 +113,8 @@ def lowest_in(score_row, pos_ptr, row, length, sinks, recent, newest, age_sign, 
             score = tl.load(score_row + c, mask=real, other=float("inf")).to(tl.float32)
         else:
             score = (pos * age_sign).to(tl.float32)
-        free = real & (c >= sinks) & (pos <= newest - recent)
-        best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c, free)
+        best, oldest, victim = fold_lowest(best, oldest, victim, score, pos, c,
+                                           droppable(c, pos, real, sinks, recent, newest))
     return best, oldest, victim
 
 

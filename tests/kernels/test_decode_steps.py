@@ -23,6 +23,7 @@ import kvbench.kernels
 from kvbench.attention import Rope
 from kvbench.kernels import (cam_step, d2o_step, ems_step, observe, triton_cam_step, triton_d2o_step, triton_decode,
                              triton_ems_step, triton_observe, triton_slots, triton_weightedkv_step, weightedkv_step)
+from kvbench.kernels.d2o_step import protection
 from kvbench.kernels.dispatch import use_backend
 from kvbench.kv import AttentionStats, LayerKV
 from tests.kernels.conftest import MODE, compile_for_sm90
@@ -271,8 +272,7 @@ def test_d2o_streamed_match_gives_the_match_kernels_bits(dtype, ties, monkeypatc
 
     streamed, tiled = call(0), call(2**62)
     assert triton_slots.row_blocks(6, 700, triton_d2o_step.BLOCK_S, torch.device("cpu"))[1] > 2 * 32
-    for name in ("keys", "values", "positions", "lengths", "state"):
-        assert torch.equal(streamed[name].nan_to_num(7.0), tiled[name].nan_to_num(7.0)), name
+    assert_same_cache(streamed, tiled, {"atol": 0, "rtol": 0})
 
 
 @pytest.mark.parametrize("layer_scope", [False, True], ids=["head", "layer"])
@@ -295,8 +295,8 @@ def test_d2o_step_with_the_pending_step_attention_fused(layer_scope):
                 L = int(s["lengths"][b, h])
                 s["positions"][b, h, :L] = torch.cat([torch.arange(2), 2 + torch.randperm(L - 3, generator=g),
                                                       torch.tensor([L - 1])])
-                keep = min(int(s["n_keep"][b]), L)
-                recent = keep * n_recent // (n_heavy + n_recent)
+                _, recent = protection(torch.tensor(min(int(s["n_keep"][b]), L)), n_heavy, n_recent, n_sinks)
+                recent = int(recent)
                 pos, att = s["positions"][b, h, :L], s["state"][1, b, h, :L]
                 att[:n_sinks] = -100.0
                 att[pos > L - 1 - recent] = -100.0
@@ -322,9 +322,7 @@ def test_d2o_step_with_the_pending_step_attention_fused(layer_scope):
         return s
 
     assert C > 2 * triton_decode.STEP_BLOCK
-    fused, apart = call(make(), True), call(make(), False)
-    for name in ("keys", "values", "positions", "lengths", "state"):
-        assert torch.equal(fused[name].nan_to_num(7.0), apart[name].nan_to_num(7.0)), name
+    assert_same_cache(call(make(), True), call(make(), False), {"atol": 0, "rtol": 0})
 
 
 # (tau, gamma, similarity, lut, with_positions, logit bias): every TBM merges, eviction only, gamma = inf,
