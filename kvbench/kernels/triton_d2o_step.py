@@ -42,9 +42,8 @@ BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
 WARPS = 8
 MATCH_WARPS = 4  # the best-match launch's: with 8 programs a multiprocessor, 4 warps each beat 8 (call 49)
-# _match_streamed_kernel's (keys a tile, warps): at 4 warps each of its sums has _match_kernel's layout, hence its
-# bits (tests/kernels/ptx_check.py asserts it); (32, 8) was 3 % faster at 104 rows but sums the victim's norm over
-# 8 warps (other bits on the H200)
+# _match_streamed_kernel's (keys a tile, warps); its sums have _match_kernel's layouts, hence its bits, where
+# streamed_match lets it run (tests/kernels/ptx_check.py asserts it)
 STREAMED_TILE = (32, MATCH_WARPS)
 STREAMED_MIN_SPAN = 512  # slots a program walks (BLOCK_S keys a tile) from which the streamed kernel is used
 EPS = tl.constexpr(1e-12)  # F.normalize's
@@ -218,6 +217,16 @@ def _merge_kernel(k_ptr, v_ptr, pos_ptr, len_ptr, state_ptr, thr_ptr, low_ptr, l
               BLOCK_DV, BLOCK_S)
 
 
+def streamed_match(span: int, head_dim: int, itemsize: int) -> bool:
+    """Whether the best match runs streamed: a program walks many tiles, and each thread's share of a streamed tile
+    holds a whole 16-byte vector of a key row. The compiler loads a tile in the widest vectors that share allows and
+    sums each key row in-thread along its vector, then across lanes; with a smaller share the streamed tile's row
+    sums split otherwise than the tiled kernel's, so their cosines' last bits differ (head dim 16 in bf16 on the
+    H200: one ulp, s14)."""
+    rows, warps = STREAMED_TILE
+    return span >= STREAMED_MIN_SPAN and rows * head_dim * itemsize >= 16 * 32 * warps
+
+
 def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, state: Tensor, attention: Tensor,
              threshold: Tensor, n_keep: Tensor, n_heavy: int, n_recent: int, n_sinks: int, beta: float,
              layer_scope: bool, weighted: bool, newest_last: bool = False,
@@ -247,7 +256,7 @@ def d2o_step(keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor, s
         _victim_kernel[(rows, VNB)](attention, positions, lengths, n_keep, newest, low, low_position, low_slot, H,
                                     C, victim_span, VNB, n_heavy, n_recent, n_sinks, NEWEST_LAST=newest_last,
                                     BLOCK_C=BLOCK_SCAN, BLOCK_NB=block_size(VNB))
-    if span >= STREAMED_MIN_SPAN:
+    if streamed_match(span, D, keys.element_size()):
         match_kernel, (block_s, warps) = _match_streamed_kernel, STREAMED_TILE
     else:
         match_kernel, block_s, warps = _match_kernel, BLOCK_S, MATCH_WARPS

@@ -8,11 +8,12 @@ process):
     PYTHONPATH=. python tests/kernels/ptx_check.py
 Prints the number of variants compiled; a compile error exits non-zero with Triton's message. D2O's streamed best
 match must give the tiled one's bits: every float sum of both must have the same layout (which fixes the order of
-its additions), or the check fails.
+its additions) wherever ``triton_d2o_step.streamed_match`` lets it run, or the check fails.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ ttgir: dict[str, str] = {}  # each kernel's last compilation, in Triton's GPU di
 def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     """JITFunction.run's stand-in: the signature of this launch, compiled for TARGET."""
     bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(self.params):
         value = bound[param.name]
         if param.is_constexpr:
@@ -45,8 +46,13 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
             signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
         else:
             signature[param.name] = "fp32"
+        # a launch's alignment specialisation, as the JIT makes it: with it the compiler vectorises loads, and the
+        # vector width shapes each tile's layout (hence its sums' order)
+        address = value.data_ptr() if isinstance(value, torch.Tensor) else value
+        if not param.is_constexpr and not param.do_not_specialize and isinstance(address, int) and address % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "enable_fp_fusion")}
-    kernel = triton.compile(ASTSource(self, signature, constexprs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options)
     compiled.append(self.fn.__name__)
     ttgir[self.fn.__name__] = kernel.asm["ttgir"]
 
@@ -62,7 +68,8 @@ def float_sums(code: str, rows: int) -> set[str]:
         end = next(j for j in range(i, len(lines)) if "}) :" in lines[j])
         if "arith.addf" in " ".join(lines[i:end]):
             operand = re.sub(r"#blocked\d*", lambda name: layouts[name.group(0)], lines[end].split("}) :")[1])
-            sums.add(re.search(r"axis = \d+", line).group(0) + operand.split("->")[0].replace(f"<{rows}x", "<Sx"))
+            shape = re.sub(f"<{rows}x(?=\\d)", "<Sx", operand.split("->")[0])  # the tile's rows, not a 1-D length
+            sums.add(re.search(r"axis = \d+", line).group(0) + shape)
     return sums
 
 
@@ -96,11 +103,20 @@ def main() -> None:
     pending = triton_decode.PendingStep(torch.randn(B, 4 * H, C), torch.randn(B, 4 * H), 4, C)
     triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True, newest_last=True,
                              step=pending)  # the step attention made in the step's first launch
-    triton_d2o_step.STREAMED_MIN_SPAN = 0  # the streamed best match on the same keys
-    triton_d2o_step.d2o_step(*layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
-    streamed, tiled = (float_sums(ttgir[name], rows) for name, rows in (
-        ("_match_streamed_kernel", triton_d2o_step.STREAMED_TILE[0]), ("_match_kernel", triton_d2o_step.BLOCK_S)))
-    assert streamed == tiled, f"D2O's streamed best match sums in other layouts: {streamed ^ tiled}"
+    streamed_variants = 0
+    for head_dim, dtype in itertools.product((16, 32, 64, 128), (torch.bfloat16, torch.float16, torch.float32)):
+        if not triton_d2o_step.streamed_match(2**62, head_dim, dtype.itemsize):
+            continue  # the tiled kernel runs
+        d2o_layer = (keys[..., :head_dim].to(dtype).contiguous(), values.to(dtype), *layer[2:])
+        for min_span in (0, 2**62):  # the streamed best match, then the tiled one, on the same keys
+            triton_d2o_step.STREAMED_MIN_SPAN = min_span
+            triton_d2o_step.d2o_step(*d2o_layer, state[0], state[1], n_keep, 3, 1, 4, 0.7, False, True)
+        streamed, tiled = (float_sums(ttgir[name], rows) for name, rows in (
+            ("_match_streamed_kernel", triton_d2o_step.STREAMED_TILE[0]), ("_match_kernel", triton_d2o_step.BLOCK_S)))
+        assert streamed == tiled, f"D2O's streamed best match sums in other layouts ({head_dim}, {dtype}): " \
+                                  f"{streamed ^ tiled}"
+        streamed_variants += 1
+    assert streamed_variants == 10, streamed_variants  # all but head dim 16 in 16 bits
     table = (torch.full((B, H, 900), -1), torch.full((B, H, 900), -1), torch.full((B, H, 900), -1.0))
     for lut, gamma, similarity, with_positions, bias in ((table, 4.0, "key_value", False, None),
                                                           (None, float("inf"), "key", True, state[5]),

@@ -249,13 +249,17 @@ def test_d2o_step_over_blocks_matches_reference(layer_scope):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("ties", [False, True], ids=["general", "ties"])
-def test_d2o_streamed_match_gives_the_match_kernels_bits(dtype, ties, monkeypatch):
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_d2o_streamed_match_gives_the_match_kernels_bits(dtype, ties, head_dim, monkeypatch):
     """The best match streamed (large batches: the next tile loaded ahead, a best per lane folded once) and the
     match kernel's fold tile by tile: the same victim's cosines, match and merge, bit for bit, exact ties
     among the matches included (keys along one axis) and ragged rows. On a GPU the bits hold while both kernels
-    sum in the same layouts (tests/kernels/ptx_check.py); at 8 warps the streamed one did not, on an H200."""
+    sum in the same layouts (tests/kernels/ptx_check.py), which ``streamed_match`` sees to: head dim 32 is the
+    smallest it streams in bf16 (at 16 the cosines differed by an ulp on an H200)."""
+    assert triton_d2o_step.streamed_match(triton_d2o_step.STREAMED_MIN_SPAN, head_dim, dtype.itemsize)
+
     def make():
-        s = storage(3, 2, 700, 16, 3, dtype, 5)
+        s = storage(3, 2, 700, head_dim, 3, dtype, 5)
         s["state"][2] = 0.3
         if ties:
             s["keys"][..., 1::3, :] = 0
