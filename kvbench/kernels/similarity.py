@@ -119,11 +119,14 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
     if src.shape[-1] == 0 or tgt.shape[-1] == 0:
         return similarity[..., :T], match[..., :T]
     tgt_keys = unit_keys(keys.gather(2, tgt.unsqueeze(-1).expand(-1, -1, -1, D)))  # (B, H, C, D)
-    tgt_real = torch.arange(tgt.shape[-1], device=keys.device).view(1, 1, 1, -1) < tgt_count.view(B, H, 1, 1)
+    tgt_padding = torch.arange(tgt.shape[-1], device=keys.device).view(1, 1, 1, -1) >= tgt_count.view(B, H, 1, 1)
+    ragged = bool(tgt_padding.any())  # heads with fewer targets than the widest: their padding is masked
     for start in range(0, src.shape[-1], chunk):
         rows = src[..., start:start + chunk]  # (B, H, e) slot indices
         src_keys = unit_keys(keys.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, D)))
-        sim = (src_keys @ tgt_keys.transpose(-1, -2)).masked_fill(~tgt_real, -float("inf"))  # (B, H, e, C)
+        sim = src_keys @ tgt_keys.transpose(-1, -2)  # (B, H, e, C)
+        if ragged:
+            sim.masked_fill_(tgt_padding, -float("inf"))
         best, arg = sim.max(-1)
         rank = torch.arange(start, start + rows.shape[-1], device=keys.device).view(1, 1, -1)
         real = (rank < src_count.unsqueeze(-1)) & torch.isfinite(best)
