@@ -112,6 +112,26 @@ def _constant(text: str) -> int | tuple[int, ...]:
     return tuple(int(v) for v in text.split(":")) if ":" in text else int(text)
 
 
+def parse_overrides(items: list[str], parser: argparse.ArgumentParser) -> list[tuple[tuple[str, str], list]]:
+    """``--set MODULE.NAME=V1,V2`` items as ((module, name), values), each checked: a module of ``MODULES``, a
+    constant it defines, values that parse; otherwise the parser's error names the bad part and what is accepted."""
+    overrides = []
+    for item in items:
+        target, _, values = item.partition("=")
+        module, _, name = target.partition(".")
+        if module not in MODULES:
+            parser.error(f"--set {item}: no module {module!r}; accepted: {', '.join(MODULES)}")
+        constants = sorted(n for n in vars(MODULES[module]) if n.isupper() and not n.startswith("_"))
+        if name not in constants:
+            parser.error(f"--set {item}: {module} has no constant {name!r}; accepted: {', '.join(constants)}")
+        try:
+            overrides.append(((module, name), [_constant(v) for v in values.split(",")]))
+        except ValueError:
+            parser.error(f"--set {item}: values must be integers or colon-joined tuples of them (64:4:3), "
+                         f"comma-separated; got {values!r}")
+    return overrides
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1, help="batch rows (each --kv-heads heads)")
@@ -127,10 +147,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step", "d2o_observe_step", "cam_step"),
                         default=None)
     args = parser.parse_args()
+    overrides = parse_overrides(args.set, parser)
     device = torch.device("cuda")
     rope = TableRope(args.head_dim, device)
-    overrides = [(name.split(".", 1), [_constant(v) for v in values.split(",")])
-                 for name, values in (item.split("=", 1) for item in args.set)]
     for choice in itertools.product(*(values for _, values in overrides)):
         for ((module, name), _), value in zip(overrides, choice):
             setattr(MODULES[module], name, value)
