@@ -35,8 +35,8 @@ from torch import Tensor
 
 from kvbench.kernels.triton_decode import INTERPRETED, STEP_BLOCK, PendingStep, group_mean_factor, step_mean
 from kvbench.kernels.triton_slots import (BLOCK_SCAN, NO_POSITION, best_of_blocks, block_size, check_storage,
-                                          droppable, fold_blocks, fold_highest, fold_lowest, lowest_in, move_last,
-                                          newest_by_blocks, row_blocks, row_newest, scan_tile, store_block)
+                                          droppable, fold_blocks, fold_highest, fold_lowest, last_position, lowest_in,
+                                          move_last, newest_by_blocks, row_blocks, row_newest, scan_tile, store_block)
 
 BLOCK_C = 8192  # slots per tile of the threshold's row-wide write
 BLOCK_S = 64  # keys per tile of the cosine scan
@@ -88,7 +88,7 @@ def _step_victim_kernel(logit_ptr, lse_ptr, att_ptr, pos_ptr, len_ptr, keep_ptr,
     tl.store(att_ptr + row * C + c, score, mask=c < C)
     length = tl.load(len_ptr + row)
     sinks, recent = _protection(keep_ptr, row, H, length, N_HEAVY, N_RECENT, N_SINKS)
-    newest = row_newest(pos_ptr, pos_ptr, row, length, C, 1, True, 2)
+    newest = last_position(pos_ptr, row, length, C)
     real = c < length
     pos = tl.load(pos_ptr + row * C + c, mask=real, other=-1)
     best, oldest, slot = fold_lowest(tl.full((), float("inf"), tl.float32), tl.full((), NO_POSITION, tl.int64),

@@ -275,11 +275,18 @@ def newest_of_blocks(newest_ptr, row, NB, BLOCK_NB: tl.constexpr):
 
 
 @triton.jit
+def last_position(pos_ptr, row, length, C):
+    """The position in a row's last real slot, where a one-query pass appended its token (its newest); -1 for an
+    empty row."""
+    return tl.load(pos_ptr + row * C + tl.maximum(length - 1, 0), mask=length > 0, other=-1)
+
+
+@triton.jit
 def row_newest(newest_ptr, pos_ptr, row, length, C, NB, NEWEST_LAST: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """One row's newest position: with NEWEST_LAST its last real slot's (a one-query pass appended its token there:
-    the caller's ``newest_last``), else the newest of its blocks'; -1 for an empty row either way."""
+    """One row's newest position: with NEWEST_LAST its last real slot's (``last_position``; the caller's
+    ``newest_last``), else the newest of its blocks'; -1 for an empty row either way."""
     if NEWEST_LAST:
-        newest = tl.load(pos_ptr + row * C + tl.maximum(length - 1, 0), mask=length > 0, other=-1)
+        newest = last_position(pos_ptr, row, length, C)
     else:
         newest = newest_of_blocks(newest_ptr, row, NB, BLOCK_NB)
     return newest
