@@ -62,6 +62,25 @@ def test_lut_attention_triton_matches_torch(shape, layout, dtype):
     torch.testing.assert_close(s1.sum(-1), torch.ones(B, H), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+def test_lut_attention_steep_logits_match_torch(sign):
+    """Logits in the hundreds, members up to 1.5x their centre's norm: a member's logit is far above (or, on
+    negative logits, below) its centre's, by more than float32's exp can take. Any weight taken against
+    something below the row's largest logit, members included, overflows (a kernel that weighs members against
+    their centre's logit, or against the largest member norm on a negative logit, fails here); nothing may
+    overflow or vanish, and the output and step match the reference's."""
+    query, keys, values, lengths, slot, norm, live = layer_case(*SHAPES[2], torch.float32)
+    query = query * 40 * sign
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = lut_attention(query, keys, values, lengths, slot, norm, live, 64 ** -0.5, want_step=True)
+    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    assert torch.isfinite(o1).all() and torch.isfinite(s1).all()
+    torch.testing.assert_close(o1, o0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_lut_attention_deferred_step_is_the_step(backend):
     """``defer_step`` returns the output at once and the step attention as a callable (a decode step runs it on

@@ -102,7 +102,9 @@ def test_cpu_peak_records_allocations_only_and_agrees_with_the_public_profiler(t
                         lambda self: seen.extend(e.name() for e in self.result.events()) or self.result.events())
     with PeakMemory(torch.device("cpu")) as again:
         work()
-    assert set(seen) == {memory.MEMORY_RECORD} and again.bytes == fast.bytes > 0
+    # on a CUDA host the trace also holds CUDA runtime calls (cudaStreamIsCapturing), which are not operators
+    assert {name for name in seen if not name.startswith("cuda")} == {memory.MEMORY_RECORD}
+    assert again.bytes == fast.bytes > 0
 
     def missing(self):
         raise AttributeError("no private profiler API")
