@@ -1,0 +1,23 @@
+# The next session's first GPU call (one `run`, carry [".whl"], about 450 s), from the repository root at main:
+# A/B of EMS's look-up-table attention with the output combined by the last weighted-values program
+# (logs/s15_lut_last_program_combine.patch: four launches on the critical path instead of five), its CUDA tests,
+# and the 32k grid (full, EMS) with it. The same run times both, so the ratio is inside one run.
+s=scripts/gpu_session.sh; bash $s setup >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+shapes=("1 6555 32768" "1 13108 65536" "32 3277 16384")
+bench() { for shape in "${shapes[@]}"; do read rows slots context <<< "$shape"
+  timeout 45 python3 -m scripts.bench_ems_kernels --rows $rows --slots $slots --context $context --only lut_attention; done; }
+echo "== bench, committed $(date +%T)"; bench > $OUT/bench_committed.log 2>&1
+git apply results/gpu/2026-11-29/logs/s15_lut_last_program_combine.patch || patch -p1 < results/gpu/2026-11-29/logs/s15_lut_last_program_combine.patch
+echo "== bench, patch $(date +%T)"; bench > $OUT/bench_patch.log 2>&1
+grep -E "^==|graph wall" $OUT/bench_committed.log $OUT/bench_patch.log
+echo "== tests $(date +%T)"
+KVBENCH_KERNEL_TESTS=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lut_attention.py \
+  tests/kernels/test_ems_members_decode.py tests/kernels/test_methods_backends.py tests/test_cuda_decode.py \
+  -k "lut or ems" > $OUT/tests.log 2>&1; echo "rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/tests.log | tail -8
+echo "== grid 32768 $(date +%T)"
+timeout 150 python3 scripts/efficiency_grid.py --root /tmp/gpu/eff32768 --models llama3.1-8b-shape-random \
+  --methods full,ems --repeats 2 --warmup 1 --lengths 32768 --new-tokens 64 --limit-s 140 > $OUT/eff32768.log 2>&1
+python3 scripts/efficiency_targets.py --root /tmp/gpu/eff32768 --profile gpu --out $OUT/eff32768.md > /dev/null 2>&1
+grep -E "ems|full" $OUT/eff32768.md
+# The second call: the CUDA suite's half that call 1 of the fifteenth session did not reach (at this code):
+#   bash scripts/gpu_session.sh setup > /dev/null 2>&1; bash scripts/gpu_session.sh tests tests/tasks tests/test_*.py
