@@ -64,7 +64,7 @@ def test_lut_attention_triton_matches_torch(shape, layout, dtype):
 
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
 def test_lut_attention_steep_logits_match_torch(sign):
-    """Logits in the hundreds, members up to 1.5x their centre's norm: a member's logit is far above (or, on
+    """Logits in the hundreds, members up to 1.7x their centre's norm: a member's logit is far above (or, on
     negative logits, below) its centre's, by more than float32's exp can take. Any weight taken against
     something below the row's largest logit, members included, overflows (a kernel that weighs members against
     their centre's logit, or against the largest member norm on a negative logit, fails here); nothing may
