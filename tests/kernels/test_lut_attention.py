@@ -81,6 +81,23 @@ def test_lut_attention_steep_logits_match_torch(sign):
     torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-4)
 
 
+def test_lut_attention_all_logits_far_below_zero_on_ragged_rows():
+    """Every logit below -150 and rows of length 1 to 300: key splits past a row's length hold no slot, and a
+    combine that took 0 as their largest logit would weigh the real splits by exp(-150 - 0), 0 in float32 (on a
+    GPU; the CPU interpreter computes that difference in float64)."""
+    query, keys, values, lengths, slot, norm, live = layer_case(*SHAPES[2], torch.float32)
+    query = query.abs() * 30
+    keys = -keys.abs()
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = lut_attention(query, keys, values, lengths, slot, norm, live, 64 ** -0.5, want_step=True)
+    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    assert (s0.amax(-1) > 0).all() and torch.isfinite(o1).all()
+    torch.testing.assert_close(o1, o0, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(s1, s0, atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_lut_attention_deferred_step_is_the_step(backend):
     """``defer_step`` returns the output at once and the step attention as a callable (a decode step runs it on
