@@ -1,7 +1,8 @@
 """EMS's, D2O's and CaM's per-layer decode kernels at the engine's configuration, each kernel's device time.
 
 One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slots each (the budget plus the
-step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full, bfloat16 keys
+step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full (``--hot-share`` of
+its members on one centre, as an attention sink that gathers merges would have them), bfloat16 keys
 that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
 the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head, and D2O's
 ``d2o_step`` (victim, best match over every key, merge); D2O's observation and step as the engine's in-place
@@ -70,7 +71,8 @@ def layer(args, device: torch.device) -> dict:
                 lut=(torch.where(used, args.context + torch.arange(E), -1).to(device),
                      torch.where(used, centres, -1).to(device),
                      torch.where(used, 1.0, -1.0).float().to(device)),
-                member_slot=torch.randint(0, C - 1, (B, H, E), generator=g).to(device),
+                member_slot=torch.where(torch.rand(B, H, E, generator=g) < args.hot_share, 0,
+                                        torch.randint(0, C - 1, (B, H, E), generator=g)).to(device),
                 live=used.to(device),
                 query=torch.randn(B, H * args.group, 1, D, generator=g).to(device, torch.bfloat16))
 
@@ -142,12 +144,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768, help="positions the slots are sampled from")
     parser.add_argument("--gamma", type=float, default=4.0)
     parser.add_argument("--table-fill", type=float, default=0.9)
+    parser.add_argument("--hot-share", type=float, default=0.0,
+                        help="share of the table's members whose centre is the row's first slot (lut_attention)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=V1,V2",
                         help=f"override a tile constant (a tuple: 64:4:3); modules: {', '.join(MODULES)}")
     parser.add_argument("--only", choices=("ems_step", "lut_attention", "d2o_step", "d2o_observe_step", "cam_step"),
                         default=None)
     args = parser.parse_args()
     overrides = parse_overrides(args.set, parser)
+    if not 0 <= args.hot_share <= 1:
+        parser.error(f"--hot-share {args.hot_share}: a share of the table's members, in [0, 1]")
     device = torch.device("cuda")
     rope = TableRope(args.head_dim, device)
     for choice in itertools.product(*(values for _, values in overrides)):
