@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbench.kernels import column_sums, triton_attention
-from kvbench.kernels.attention_stats import ragged_attention
+from kvbench.kernels.attention_stats import per_kv_head, ragged_attention
 from kvbench.kernels.dispatch import use_backend
 from tests.kernels.conftest import MODE
 
@@ -190,3 +190,20 @@ def test_step_attention_is_the_torch_operations_it_replaced(group):
     else:
         torch.testing.assert_close(got, reference, atol=0, rtol=1e-6)
     assert not got[0, 0].any() and not got[..., span:].any()
+
+
+@pytest.mark.parametrize("batch, kv_heads, group, slots, dim", [(1, 3, 3, 989, 64), (2, 1, 4, 300, 16),
+                                                                (3, 8, 2, 4096, 128), (1, 1, 1, 7, 64)])
+def test_per_kv_head_is_the_product_over_repeated_heads_bit_for_bit(batch, kv_heads, group, slots, dim):
+    """A decode step's attention multiplies each query head by its own KV head without repeating K or V
+    (``attention_stats.per_kv_head``): the logits and the output must be the products over K and V repeated to
+    the query heads, bit for bit (one matmul of the group's heads together, M = group, sums in another order:
+    that would move logits by units in the last place and could flip what a method evicts)."""
+    g = torch.Generator().manual_seed(slots)
+    query = torch.randn(batch, kv_heads * group, 1, dim, generator=g)
+    keys, values = (torch.randn(batch, kv_heads, slots, dim, generator=g) for _ in range(2))
+    probs = torch.softmax(torch.randn(batch, kv_heads * group, 1, slots, generator=g), -1)
+    repeated = {name: t.repeat_interleave(group, dim=1) for name, t in (("keys", keys), ("values", values))}
+    assert torch.equal(per_kv_head(query, keys.transpose(-1, -2)),
+                       torch.matmul(query, repeated["keys"].transpose(-1, -2)))
+    assert torch.equal(per_kv_head(probs, values), torch.matmul(probs, repeated["values"]))
