@@ -109,12 +109,12 @@ def ragged_attention(
     col = query.new_zeros(B, Hkv, T, dtype=torch.float32) if want_column_sums or want_step else None
     win = query.new_zeros(B, Hkv, T, dtype=torch.float32) if window > 0 else None
     qcol = query.new_zeros(B, Hq, T, dtype=torch.float32) if want_query_column_sums else None
-    # one query (a decode step): each head against its own KV head (``per_kv_head``); several: K and V repeated to
-    # the query heads once for every chunk
-    repeat = (lambda t: t.float()) if Q == 1 else (lambda t: t.float().repeat_interleave(group, dim=1))
-    keys = repeat(keys)
+    keys = keys.float()
+    values = None if values is None else values.float()
+    if Q > 1:  # K and V repeated to the query heads once for every chunk; one query (a decode step) needs no copy
+        keys = keys.repeat_interleave(group, dim=1)  # (``per_kv_head``: several rows' bits need the repeat)
+        values = None if values is None else values.repeat_interleave(group, dim=1)
     bias = None if key_bias is None else key_bias.float().repeat_interleave(group, dim=1)[:, :, None, :T]
-    values = None if values is None else repeat(values)
     for start in range(0, Q, chunk):
         stop = min(Q, start + chunk)
         logits = chunk_logits(query, keys, key_valid, key_pos, query_pos, scaling, start, stop, bias)

@@ -82,12 +82,13 @@ def test_lut_attention_steep_logits_match_torch(sign):
 
 
 def test_lut_attention_all_logits_far_below_zero_on_ragged_rows():
-    """Every logit below -150 and rows of length 1 to 300: key splits past a row's length hold no slot, and a
-    combine that took 0 as their largest logit would weigh the real splits by exp(-150 - 0), 0 in float32 (on a
-    GPU; the CPU interpreter computes that difference in float64)."""
+    """Every logit below -150, members' included (their norms above their centres': rho > 1), and rows of length
+    1 to 300: key splits past a row's length hold no slot, and a combine that took 0 as their largest logit would
+    weigh the real splits by exp(-150 - 0), 0 in float32."""
     query, keys, values, lengths, slot, norm, live = layer_case(*SHAPES[2], torch.float32)
     query = query.abs() * 30
     keys = -keys.abs()
+    norm = torch.where(live, norm + keys.norm(dim=-1).amax(), -1.0)
     out = {}
     for backend in ("torch", "triton"):
         with use_backend(backend):
