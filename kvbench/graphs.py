@@ -39,8 +39,12 @@ WARMED: set[tuple] = set()
 
 @functools.cache
 def capture_stream() -> torch.cuda.Stream:
-    """The side stream every capture records on (a capture cannot record on the default stream), one per process."""
-    return torch.cuda.Stream()
+    """The side stream every capture records on (a capture cannot record on the default stream), one per process.
+    Of the highest priority: torch instantiates graphs with their kernels' captured priorities
+    (``cudaGraphInstantiateFlagUseNodePriority``), so a replayed step's own kernels take a multiprocessor before the
+    kernels of its layers' side lanes (``engine.LayerLanes``, default priority) whenever both wait for one; the
+    lanes' work is off the step's critical path, and their wide grids otherwise delay the step's next kernel."""
+    return torch.cuda.Stream(priority=-1)
 
 
 class DecodeGraph:

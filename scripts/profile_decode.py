@@ -119,7 +119,6 @@ def kernel_table(prof, count: int, top: int) -> tuple[list[str], float, float]:
     return lines, gpu_ms, kernels
 
 
-
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
@@ -134,29 +133,43 @@ def _covered(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def timeline_lines(prof, count: int) -> list[str]:
+def timeline_lines(prof, count: int, gaps: int = 0) -> list[str]:
     """Where a step's wall time on the device goes, from the kernels' start and end: the step's span (first kernel
     start to last kernel end, averaged over ``count`` back-to-back steps), the time some kernel runs, the time none
     does (launch gaps), and the kernels' total time over the time they run (how many run at once: a decode
     step's per-layer side lanes, ``engine.LayerLanes``, overlap the pass). Streams are not told apart: inside a
-    graph replay, CUPTI reports the driver's own streams for the branches."""
-    kernels = sorted((event.time_range.start, event.time_range.end)
+    graph replay, CUPTI reports the driver's own streams for the branches. With ``gaps``, the ``gaps`` pairs of
+    kernels (the last to end before a gap, the first to start after it) whose gaps add up to the most."""
+    kernels = sorted((event.time_range.start, event.time_range.end, event.name)
                      for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
     if not kernels or len(kernels) % count:
         return [f"    timeline: {len(kernels)} kernels do not split into {count} equal steps"]
     per_step = len(kernels) // count
     span = running = total = 0.0
+    by_pair, pairs = defaultdict(float), defaultdict(int)
     for i in range(count):
         step = kernels[i * per_step:(i + 1) * per_step]
-        span += max(end for _, end in step) - step[0][0]
-        running += _covered(_union(step))
-        total += sum(end - start for start, end in step)
-    return [f"    timeline: span {span / count / 1e3:.3f} ms a step = kernels running {running / count / 1e3:.3f} + "
-            f"none {(span - running) / count / 1e3:.3f}; {total / max(running, 1e-9):.2f} kernels at once on average"]
+        span += max(end for _, end, _ in step) - step[0][0]
+        running += _covered(_union([(start, end) for start, end, _ in step]))
+        total += sum(end - start for start, end, _ in step)
+        last_end, last_name = step[0][1], step[0][2]
+        for start, end, name in step[1:]:
+            if start > last_end:
+                by_pair[(last_name, name)] += start - last_end
+                pairs[(last_name, name)] += 1
+            if end > last_end:
+                last_end, last_name = end, name
+    lines = [f"    timeline: span {span / count / 1e3:.3f} ms a step = kernels running {running / count / 1e3:.3f} + "
+             f"none {(span - running) / count / 1e3:.3f}; {total / max(running, 1e-9):.2f} kernels at once on average"]
+    for (before, after), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:gaps]:
+        lines.append(f"    gap {us / count:7.1f} us x{pairs[before, after] / count:5.1f}  {before[:50]}  ->  {after[:50]}")
+    return lines
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--gaps", type=int, default=0, help="print the kernel pairs around the most idle time")
     args, _, lm, prompt = setup(parser, steps=8, top=18)
     bandwidth = copy_bandwidth(lm.model.device)
     summary = []
@@ -174,7 +187,7 @@ def main() -> None:
             kv_bytes = float(session.cache.row_bytes().sum())
             bound = tpot_bound_seconds(parameter_bytes_read(lm.model, 1), kv_bytes, bandwidth)
             lines, gpu_ms, kernels = kernel_table(prof, args.steps, args.top)
-            lines += timeline_lines(prof, args.steps)
+            lines += timeline_lines(prof, args.steps, args.gaps)
             print(f"== {name} {mode}: {seconds * 1e3:.2f} ms per step (host included); bytes-read bound "
                   f"{bound * 1e3:.2f} ms at {bandwidth / 1e12:.2f} TB/s: achieved fraction {bound / seconds:.2f}")
             print("\n".join(lines), flush=True)
