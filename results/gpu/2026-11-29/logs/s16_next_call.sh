@@ -1,5 +1,5 @@
 # The next session's first GPU calls (carry [".whl"]), from the repository root at main.
-#   bash results/gpu/2026-11-29/logs/s16_next_call.sh bench   (about 330 s)
+#   bash results/gpu/2026-11-29/logs/s16_next_call.sh bench   (about 450 s)
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh grid    (about 300 s; with the patch applied if it won)
 # bench: EMS's look-up-table attention as committed (five launches) against logs/s16_lut_member_gather.patch (a
 # split-K pass over the slots, one over the table's members with their centres' value rows gathered, and
@@ -12,13 +12,14 @@ apply() { git apply $patch_file 2>/dev/null || patch -p1 < $patch_file; }
 if [ "$1" = bench ]; then
   shapes=("1 6555 32768 0" "1 13108 65536 0" "32 3277 16384 0" "1 6555 32768 0.5")  # rows slots context hot-share
   bench() { for shape in "${shapes[@]}"; do read rows slots context hot <<< "$shape"; echo "== hot share $hot"
-    timeout 45 python3 -m scripts.bench_ems_kernels --rows $rows --slots $slots --context $context --only lut_attention \
-      --hot-share $hot "$@"; done; }
+    timeout ${limit:-45} python3 -m scripts.bench_ems_kernels --rows $rows --slots $slots --context $context \
+      --only lut_attention --hot-share $hot "$@"; done; }
   echo "== bench, committed $(date +%T)"; bench > $OUT/bench_committed.log 2>&1; grep -E "graph wall" $OUT/bench_committed.log
   apply; echo "== bench, member gather $(date +%T)"; bench > $OUT/bench_member_gather.log 2>&1
   grep -E "graph wall" $OUT/bench_member_gather.log
   shapes=("1 6555 32768 0" "32 3277 16384 0"); echo "== member pass tiles and waves $(date +%T)"
-  bench --set lut.MEMBER_TILES=64:4,128:4,128:8 --set lut.MEMBER_WAVES=1,4,8 > $OUT/bench_member_sweep.log 2>&1
+  limit=200 bench --set lut.MEMBER_TILES=64:4:1,128:4:1,128:4:2,128:4:3,128:8:2 --set lut.MEMBER_WAVES=1,4,8 \
+    > $OUT/bench_member_sweep.log 2>&1
   grep -E "^== [0-9]|graph wall" $OUT/bench_member_sweep.log
   echo "== tests, member gather $(date +%T)"
   KVBENCH_KERNEL_TESTS=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lut_attention.py \
