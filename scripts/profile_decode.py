@@ -162,7 +162,8 @@ def timeline_lines(prof, count: int, gaps: int = 0) -> list[str]:
     lines = [f"    timeline: span {span / count / 1e3:.3f} ms a step = kernels running {running / count / 1e3:.3f} + "
              f"none {(span - running) / count / 1e3:.3f}; {total / max(running, 1e-9):.2f} kernels at once on average"]
     for (before, after), us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:gaps]:
-        lines.append(f"    gap {us / count:7.1f} us x{pairs[before, after] / count:5.1f}  {before[:50]}  ->  {after[:50]}")
+        occurrences = pairs[before, after] / count
+        lines.append(f"    gap {us / count:7.1f} us x{occurrences:5.1f}  {before[:50]}  ->  {after[:50]}")
     return lines
 
 
