@@ -1,11 +1,14 @@
 # The next session's first GPU calls (carry [".whl"]), from the repository root at main.
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh bench   (about 450 s)
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh grid    (about 300 s; with the patch applied if it won)
+#   bash results/gpu/2026-11-29/logs/s16_next_call.sh host    (about 120 s)
 # bench: EMS's look-up-table attention as committed (five launches) against logs/s16_lut_member_gather.patch (a
 # split-K pass over the slots, one over the table's members with their centres' value rows gathered, and
 # triton_decode's combine: three launches), at 1 x 8 x 6,555 (32k), 1 x 8 x 13,108 (64k), 32 x 8 x 3,277 and 32k
 # with half the members on one centre; then the patch's member-pass tiles and waves at 32k and 32 rows, and the
-# patch's CUDA LUT/EMS tests. grid: the issue's 32k and 64k grids, full and EMS.
+# patch's CUDA LUT/EMS tests. grid: the issue's 32k and 64k grids, full and EMS. host: where an eager decode step's
+# host time goes for the full cache and D2O at 32k (a capture's recording runs the same Python): D2O's 50-55 ms
+# recording runs on an idle device and costs its 32k TPOT ratio about 0.12 over 64 tokens.
 s=scripts/gpu_session.sh; bash $s setup >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 patch_file=results/gpu/2026-11-29/logs/s16_lut_member_gather.patch
 apply() { git apply $patch_file 2>/dev/null || patch -p1 < $patch_file; }
@@ -32,4 +35,7 @@ elif [ "$1" = grid ]; then
       --methods full,ems --repeats 2 --warmup 1 --lengths $len --new-tokens 64 --limit-s 190 > $OUT/eff$len.log 2>&1
     python3 scripts/efficiency_targets.py --root /tmp/gpu/eff$len --profile gpu --out $OUT/eff$len.md > /dev/null 2>&1
     grep -E "ems|full" $OUT/eff$len.md; done
+elif [ "$1" = host ]; then
+  timeout 200 python3 -m scripts.profile_host --methods full,d2o --length 32768 --steps 10 --top 30 > $OUT/host.txt 2>&1
+  grep -E "^==|function calls" $OUT/host.txt
 fi
