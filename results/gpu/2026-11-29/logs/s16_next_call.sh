@@ -17,7 +17,8 @@ if [ "$1" = bench ]; then
   bench() { for shape in "${shapes[@]}"; do read rows slots context hot <<< "$shape"; echo "== hot share $hot"
     timeout ${limit:-45} python3 -m scripts.bench_ems_kernels --rows $rows --slots $slots --context $context \
       --only lut_attention --hot-share $hot "$@"; done; }
-  echo "== bench, committed $(date +%T)"; bench > $OUT/bench_committed.log 2>&1; grep -E "graph wall" $OUT/bench_committed.log
+  echo "== bench, committed $(date +%T)"; bench > $OUT/bench_committed.log 2>&1
+  grep -E "graph wall" $OUT/bench_committed.log
   apply; echo "== bench, member gather $(date +%T)"; bench > $OUT/bench_member_gather.log 2>&1
   grep -E "graph wall" $OUT/bench_member_gather.log
   shapes=("1 6555 32768 0" "32 3277 16384 0"); echo "== member pass tiles and waves $(date +%T)"
