@@ -2,6 +2,7 @@
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh bench   (about 450 s)
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh grid    (about 300 s; with the patch applied if it won)
 #   bash results/gpu/2026-11-29/logs/s16_next_call.sh host    (about 120 s)
+#   bash results/gpu/2026-11-29/logs/s16_next_call.sh branch  (about 90 s)
 # bench: EMS's look-up-table attention as committed (five launches) against logs/s16_lut_member_gather.patch (a
 # split-K pass over the slots, one over the table's members with their centres' value rows gathered, and
 # triton_decode's combine: three launches), at 1 x 8 x 6,555 (32k), 1 x 8 x 13,108 (64k), 32 x 8 x 3,277 and 32k
@@ -39,4 +40,7 @@ elif [ "$1" = grid ]; then
 elif [ "$1" = host ]; then
   timeout 200 python3 -m scripts.profile_host --methods full,d2o --length 32768 --steps 10 --top 30 > $OUT/host.txt 2>&1
   grep -E "^==|function calls" $OUT/host.txt
+elif [ "$1" = branch ]; then  # the full cache's replayed step with trivial side branches (logs/s16_branch_probe.py)
+  timeout 200 python3 results/gpu/2026-11-29/logs/s16_branch_probe.py --length 32768 --lanes 32 > $OUT/branch.txt 2>&1
+  grep -E "^==|timeline|gap" $OUT/branch.txt
 fi
