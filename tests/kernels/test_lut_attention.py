@@ -40,17 +40,22 @@ def layer_case(B, H, group, T, E, D, DV, dtype, layout="random", seed=0):
     return query, keys, values, lengths, slot, norm, live
 
 
+def on_both_backends(case: tuple, scaling: float) -> tuple[tuple, tuple]:
+    """(output, step) of ``lut_attention`` over ``case`` with the torch reference, then with the Triton kernel."""
+    out = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            out[backend] = lut_attention(*case, scaling, want_step=True)
+    return out["torch"], out["triton"]
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_lut_attention_triton_matches_torch(shape, layout, dtype):
     B, H, group, T, E, D, DV = shape
     case = layer_case(*shape, dtype, layout)
-    out = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
-            out[backend] = lut_attention(*case, D ** -0.5, want_step=True)
-    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    (o0, s0), (o1, s1) = on_both_backends(case, D ** -0.5)
     assert o1.shape == (B, H * group, 1, DV) and o1.dtype == dtype and s1.shape == (B, H, T)
     # float32 sums in another order; on bf16 the kernel rounds the probabilities to bf16 for the P @ V product
     # (as triton_decode does): a bf16 rounding of the output at most
@@ -71,11 +76,7 @@ def test_lut_attention_steep_logits_match_torch(sign):
     overflow or vanish, and the output and step match the reference's."""
     query, keys, values, lengths, slot, norm, live = layer_case(*SHAPES[2], torch.float32)
     query = query * 40 * sign
-    out = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
-            out[backend] = lut_attention(query, keys, values, lengths, slot, norm, live, 64 ** -0.5, want_step=True)
-    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    (o0, s0), (o1, s1) = on_both_backends((query, keys, values, lengths, slot, norm, live), 64 ** -0.5)
     assert torch.isfinite(o1).all() and torch.isfinite(s1).all()
     torch.testing.assert_close(o1, o0, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-4)
@@ -89,11 +90,7 @@ def test_lut_attention_all_logits_far_below_zero_on_ragged_rows():
     query = query.abs() * 30
     keys = -keys.abs()
     norm = torch.where(live, norm + keys.norm(dim=-1).amax(), -1.0)
-    out = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
-            out[backend] = lut_attention(query, keys, values, lengths, slot, norm, live, 64 ** -0.5, want_step=True)
-    (o0, s0), (o1, s1) = out["torch"], out["triton"]
+    (o0, s0), (o1, s1) = on_both_backends((query, keys, values, lengths, slot, norm, live), 64 ** -0.5)
     assert (s0.amax(-1) > 0).all() and torch.isfinite(o1).all()
     torch.testing.assert_close(o1, o0, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(s1, s0, atol=1e-6, rtol=1e-4)
