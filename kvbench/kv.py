@@ -364,6 +364,8 @@ class AttentionStats:
                         would read ``num_queries`` to count each slot's observers can count one without it.
     rope:               instead of raw_keys, for the in-place decode step of a method that takes RoPE off the
                         stored keys itself (``Method.unrotates_in_place``): the model's ``attention.Rope``.
+    budget_statistic:   (host) ``Method.budget_statistic`` of this layer's prompt statistics, where the engine
+                        took it during the pass; ``layer_budgets`` then gets these and ``num_queries`` alone.
     pending_step:       a decode pass's step attention not computed yet: the last launch that makes it, left
                         out of the pass (nothing in the pass reads it) to run where the method observes, on the
                         layer's side stream (``engine.LayerLanes``): ``step`` stores it, ``add_step_to`` adds it
@@ -381,6 +383,7 @@ class AttentionStats:
     num_queries: Tensor | None = None
     one_query: bool = False
     rope: Rope | None = None
+    budget_statistic: Tensor | None = None
     pending_step: Callable[..., Tensor] | None = None  # (into=None): the step attention, or into += it
 
     def step(self) -> Tensor | None:

@@ -108,6 +108,14 @@ class Method:
         """
         return n_keep.unsqueeze(0).expand(num_layers, -1).clone()
 
+    def budget_statistic(self, stats: AttentionStats) -> Tensor | None:
+        """What ``layer_budgets`` reads of one layer's prompt statistics ``stats`` (a method with ``budget_needs``),
+        as a small tensor on their device; None where it reads nothing or needs them whole. The engine takes it
+        right after each layer's attention and hands ``layer_budgets`` every layer's on the host
+        (``AttentionStats.budget_statistic``), copied behind the last layer's attention: the host then sets the
+        budgets and queues the compressions while the device runs the rest of the pass, not after it."""
+        return None
+
     # -- what the method implements ------------------------------------------------------------------
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,

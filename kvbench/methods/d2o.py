@@ -23,7 +23,8 @@ high variance gets D_l = 0, the largest budget). Also the code averages the vari
 (kvbench: per sample [I]) and computes it over padded rows (kvbench: the real slots).
 Peak memory: the layer budgets need every layer's prompt statistics before any layer is compressed, so the
 engine holds the whole uncompressed prompt cache until the prompt pass ends, plus per layer the column sums
-(B, H_kv, T) and the per-query-head column sums (B, H_q, T) in float32 (no second copy of the cache). For
+(B, H_kv, T) in float32 (no second copy of the cache). The per-query-head column sums (B, H_q, T) are read
+once, right after the layer's attention, into the layer's variances (``budget_statistic``), and dropped. For
 the same reason D2O refuses chunked prefill (``engine.prefill_chunk_size``) [I].
 Token level (prefill and every decode step), ``compress``:
 - keep n_sinks sinks + M recent + top-N accumulated attention (sinks inside N, [C]), N:M = n_heavy:n_recent;
@@ -124,21 +125,17 @@ class D2O(Method):
         (B, H_q, T), as the authors' code computes them (module docstring)."""
         if self.allocation == "uniform":
             return torch.ones(len(prefill_stats), prefill_stats[0].num_queries.shape[0], dtype=torch.float64)
-        variances = []
-        for stats in prefill_stats:
-            col = stats.query_column_sums.double()
-            slots = torch.arange(col.shape[-1], device=col.device).view(1, 1, -1)
-            real = slots < stats.num_queries.to(col.device).view(-1, 1, 1)
-            count = real.sum(-1)  # (B, H_q)
-            mean = (col * real).sum(-1) / count.clamp(min=1)
-            squares = ((col - mean.unsqueeze(-1)) ** 2 * real).sum(-1)
-            variances.append(squares / (count - 1).clamp(min=1))  # unbiased, as torch.var in the code
-        var = torch.stack(variances).cpu()  # (L, B, H_q)
+        var = torch.stack([stats.budget_statistic if stats.budget_statistic is not None
+                           else prompt_variances(stats) for stats in prefill_stats]).cpu()  # (L, B, H_q)
         if self.allocation == "reciprocal_variance":
             return 1.0 / var.mean(-1).clamp(min=1e-12)
         low, high = var.amin(-1, keepdim=True), var.amax(-1, keepdim=True)
         density = ((var - low) / (high - low + 1e-6)).mean(-1)  # D_l in [0, 1], (L, B); 1e-6 as the code
         return torch.softmax(-density, dim=0)
+
+    def budget_statistic(self, stats: AttentionStats) -> Tensor | None:
+        """``prompt_variances`` of a layer; None for ``allocation="uniform"``, which reads nothing."""
+        return None if self.allocation == "uniform" else prompt_variances(stats)
 
     def layer_budgets(
         self, n_keep: Tensor, num_layers: int, prefill_stats: list[AttentionStats], max_new_tokens: int
@@ -239,6 +236,18 @@ class D2O(Method):
     def _merge_terms(self, similarity: Tensor) -> tuple[float, Tensor, Tensor]:
         """The merge rule's weights (``kernels.d2o_step.merge_terms``)."""
         return merge_terms(similarity, self.merge_rule == "weighted")
+
+
+def prompt_variances(stats: AttentionStats) -> Tensor:
+    """(B, H_q) float64: each query head's variance of its prompt column sums (``query_column_sums``) over the
+    prompt's real slots, unbiased, as ``torch.var`` in the authors' code."""
+    col = stats.query_column_sums.double()
+    slots = torch.arange(col.shape[-1], device=col.device).view(1, 1, -1)
+    real = slots < stats.num_queries.to(col.device).view(-1, 1, 1)
+    count = real.sum(-1)  # (B, H_q)
+    mean = (col * real).sum(-1) / count.clamp(min=1)
+    squares = ((col - mean.unsqueeze(-1)) ** 2 * real).sum(-1)
+    return squares / (count - 1).clamp(min=1)
 
 
 def allocate(weights: Tensor, total: int, low: int, high: int) -> Tensor:

@@ -14,7 +14,7 @@ from kvbench.engine import Engine
 from kvbench.errors import ConfigError
 from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kv import AttentionStats, LayerKV
-from kvbench.methods.d2o import D2O, THRESHOLD, allocate
+from kvbench.methods.d2o import ALLOCATIONS, D2O, THRESHOLD, allocate
 
 E = math.e
 
@@ -140,11 +140,15 @@ def test_query_column_sums_keep_every_query_head():
 
 
 def test_engine_hands_d2o_per_query_head_sums(tiny_model):
-    seen = []
+    seen, handed = [], []
 
     class Recording(D2O):
+        def budget_statistic(self, stats):  # the engine's call right after each layer's attention
+            seen.append((stats.query_column_sums, stats.column_sums))
+            return super().budget_statistic(stats)
+
         def layer_budgets(self, n_keep, num_layers, prefill_stats, max_new_tokens):
-            seen.extend(prefill_stats)
+            handed.append(prefill_stats)
             return super().layer_budgets(n_keep, num_layers, prefill_stats, max_new_tokens)
 
     g = torch.Generator().manual_seed(3)
@@ -152,14 +156,37 @@ def test_engine_hands_d2o_per_query_head_sums(tiny_model):
     Engine(tiny_model, Recording(), Budget("fraction", 0.5)).prefill(prompts, max_new_tokens=2)
     group = tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads
     lengths = set()
-    for stats in seen:  # the engine prefills one row at a time: one (B = 1) statistics object per row and layer
-        B, Hq, T = stats.query_column_sums.shape
+    for query_sums, sums in seen:  # the engine prefills one row at a time: one (B = 1) statistics a row and layer
+        B, Hq, T = query_sums.shape
         assert B == 1 and Hq == tiny_model.config.num_attention_heads
         lengths.add(T)
         # every query spreads one unit over the slots of its row
-        torch.testing.assert_close(stats.query_column_sums.sum(-1), torch.full((1, Hq), float(T)))
-        torch.testing.assert_close(stats.query_column_sums.view(B, -1, group, T).mean(2), stats.column_sums)
-    assert lengths == {30, 21}
+        torch.testing.assert_close(query_sums.sum(-1), torch.full((1, Hq), float(T)))
+        torch.testing.assert_close(query_sums.view(B, -1, group, T).mean(2), sums)
+    assert lengths == {30, 21} and len(seen) == 2 * tiny_model.config.num_hidden_layers
+    # layer_budgets gets the statistics taken in the pass, on the host, with the prompt's length
+    for stats, n in zip(handed, (30, 21)):
+        assert len(stats) == tiny_model.config.num_hidden_layers
+        for layer in stats:
+            assert layer.budget_statistic.shape == (1, Hq) and layer.num_queries.tolist() == [n]
+            assert layer.query_column_sums is None and layer.column_sums is None
+
+
+def test_budgets_from_the_statistics_taken_in_the_pass_equal_those_from_the_whole_statistics(tiny_model):
+    # the engine's budgets (each layer's statistic taken after its attention) against layer_budgets on the
+    # pass's own statistics, kept whole by a method that takes no statistic
+    class Whole(D2O):
+        def budget_statistic(self, stats):
+            return None
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 200, (128,), generator=g).tolist()
+    for allocation in ALLOCATIONS:
+        taken, whole = (Engine(tiny_model, cls(allocation=allocation), Budget("fraction", 0.3)).prefill_row(
+            prompt, max_new_tokens=2) for cls in (D2O, Whole))
+        assert taken.host_n_keep.tolist() == whole.host_n_keep.tolist()
+        if allocation == "inverse_variance_softmax":  # budgets the variances set: the two layers' differ
+            assert taken.host_n_keep[:, 0].tolist() == [35, 41]
 
 
 def test_recent_share_is_floored_as_in_the_code():
