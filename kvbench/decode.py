@@ -505,6 +505,9 @@ class DecodeBatch:
             decode_seconds=self.share[last] - self.share[flight.placed] if flight.steps else 0.0,
             decode_compress_seconds=compress / self.slots,
             tpot_seconds=(self.clock[last] - self.clock[flight.placed]) / flight.steps if flight.steps else 0.0,
+            first_step_seconds=self.clock[flight.placed + 1] - self.clock[flight.placed] if flight.steps else math.nan,
+            tpot_after_first_seconds=(self.clock[last] - self.clock[flight.placed + 1]) / (flight.steps - 1)
+            if flight.steps > 1 else math.nan,
             peak_memory_bytes=0,
             peak_memory_above_weights_bytes=0,
             stopped_by=stopped,

@@ -216,6 +216,10 @@ class Generation:
     peak_memory_above_weights_bytes: int  # the peak minus the model's parameters
     stopped_by: str  # "eos", "stop_string", "max_new_tokens"
     batch_size: int = 1  # rows the decode batch it ran in holds (its slots)
+    # the row's first decode step (where a new decode batch records its CUDA graph or warms it up), and the
+    # mean of the steps after it; NaN where there were not enough steps or no decode batch ran the row
+    first_step_seconds: float = float("nan")
+    tpot_after_first_seconds: float = float("nan")
 
 
 @dataclass

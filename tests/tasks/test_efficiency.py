@@ -69,8 +69,13 @@ def test_latency_rows_carry_the_bound_by_hand(tiny_lm):
         assert row["parameter_bytes_read_per_step"] == params and row["kv_bytes_read_per_step"] == kv
         assert row["tpot_bound_seconds"] == pytest.approx((params + kv) / 2000.0)
         assert row["bound_fraction"] == pytest.approx(row["tpot_bound_seconds"] / row["tpot_seconds"])
+        # 3 new tokens: 2 decode steps, the first and the one after it make the TPOT
+        assert row["first_step_seconds"] > 0 and row["tpot_after_first_seconds"] > 0
+        assert row["first_step_seconds"] + row["tpot_after_first_seconds"] == pytest.approx(2 * row["tpot_seconds"])
     metrics = {r["metric"]: r["value"] for r in task.aggregate(pd.DataFrame(rows))}
     assert metrics["full.tpot_bound_seconds"] == pytest.approx((params + kv) / 2000.0)
+    after_first = [r["tpot_after_first_seconds"] for r in rows if r["system"] in ("method", "full")]
+    assert metrics["ratio.method_vs_full.tpot_after_first_seconds"] == pytest.approx(after_first[0] / after_first[1])
     assert metrics["memory_bandwidth_gbps"] == pytest.approx(2e-6)
 
 
