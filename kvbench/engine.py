@@ -137,7 +137,7 @@ class BudgetStatistics:
             self.host.copy_(stacked, non_blocking=True)
             if stacked.is_cuda:
                 self.copied = torch.cuda.Event()
-                self.copied.record()
+                self.copied.record(torch.cuda.current_stream(stacked.device))  # the copy's stream, on its device
 
     def budget_stats(self, prompt_lengths: Tensor) -> list[AttentionStats] | None:
         """What ``Method.layer_budgets`` reads, on the host (``prompt_lengths``: (B,) host), once the copy is done;
