@@ -2,6 +2,7 @@
 #   bash results/gpu/2026-11-29/logs/s17_next_call.sh grid32   (about 450 s: all twelve methods at 32k)
 #   bash results/gpu/2026-11-29/logs/s17_next_call.sh grid64   (about 300 s: the decode-time methods at 64k)
 #   bash results/gpu/2026-11-29/logs/s17_next_call.sh probe    (about 150 s: D2O's first step, probe and grid)
+#   bash results/gpu/2026-11-29/logs/s17_green_lanes.sh       (about 300 s: EMS's lanes on fewer multiprocessors)
 # The targets tables now say, beside each TPOT ratio, the ratio after the first decode step (first_step_seconds,
 # tpot_after_first_seconds: `6caf419`). That separates a decode batch's graph recording, a one-off cost that
 # lands on the first step, from every step's cost, for every method in one grid.
