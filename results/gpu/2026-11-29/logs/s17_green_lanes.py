@@ -1,6 +1,6 @@
 """Do EMS's side lanes slow its replayed step less when they may use only some multiprocessors? Each lane of
 ``engine.LayerLanes`` becomes a stream of a CUDA green context of ``--sms`` multiprocessors (of 132 on an H200), so a
-lane's wide launches (EMS's redundancy: every multiprocessor, 3x its own time under the step's GEMMs, s17 call 3)
+lane's wide launches (EMS's redundancy: every multiprocessor, about 3x its own time beside the step's GEMMs, s17 call 3)
 leave the rest to the step; then ``profile_decode``'s graph mode, full and EMS at 32k. ``--sms 0``: the committed
 lanes. Prints why, where this torch or driver has no green-context streams or a capture refuses them.
 
