@@ -116,8 +116,8 @@ class BudgetStatistics:
     queues the compressions while the device still runs the last layer's MLP and the logits. D2O at 32k on an
     H200 (A/B, one machine): TTFT 1.918 -> 1.878 s; TPOT -0.4 % only, since the host's queueing of the 32
     compressions outlasts their device time, so the decode graph's recording still starts on an idle device.
-    A layer's statistics that only the statistic read are dropped once it is taken (D2O: the per-query-head
-    column sums, (B, H_q, T) float32 a layer, held until the pass's end before)."""
+    A layer's ``budget_needs`` statistics are dropped once the statistic is taken (D2O: the per-query-head column
+    sums, (B, H_q, T) float32 a layer, held until the pass's end before)."""
 
     def __init__(self, method: Method, cache: CompressedCache, num_layers: int) -> None:
         self.method, self.cache = method, cache
@@ -130,7 +130,8 @@ class BudgetStatistics:
         self.taken[layer] = self.method.budget_statistic(stats)
         if self.taken[layer] is None:
             return
-        stats.query_column_sums = None  # read by budget_statistic alone (the method's compress reads column_sums)
+        for name in self.method.budget_needs:  # read by the budgets alone (``Method.budget_needs``): taken now
+            setattr(stats, name, None)
         if layer == len(self.taken) - 1 and all(t is not None for t in self.taken):
             stacked = torch.stack(self.taken)
             self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=stacked.is_cuda)

@@ -8,7 +8,8 @@ every ``decode_interval`` steps once a row exceeds ``n_keep``), and stores whate
 Capabilities are class data, read by the engine: ``needs`` (statistics the engine must compute),
 ``phases`` (when the method can compress), ``window`` (queries behind ``window_column_sums``),
 ``budget_basis`` (what a fractional budget is a fraction of), ``budget_needs`` (statistics
-``layer_budgets`` reads: such a method cannot compress a layer before every layer has run),
+``layer_budgets`` reads, and nothing else: such a method cannot compress a layer before every layer has run, and
+once its ``budget_statistic`` has read a layer's, the engine drops them),
 ``evicts_in_place`` (``evict_one`` implements the one-slot decode step in place), ``keeps_exact_budget`` (a
 prompt compression keeps exactly ``min(n_keep, length)`` slots a head, so the engine knows the result's lengths
 without reading them back: ``kept_lengths``), ``unrotates_in_place``

@@ -140,7 +140,7 @@ def test_query_column_sums_keep_every_query_head():
 
 
 def test_engine_hands_d2o_per_query_head_sums(tiny_model):
-    seen, handed = [], []
+    seen, handed, compressed_with = [], [], []
 
     class Recording(D2O):
         def budget_statistic(self, stats):  # the engine's call right after each layer's attention
@@ -150,6 +150,11 @@ def test_engine_hands_d2o_per_query_head_sums(tiny_model):
         def layer_budgets(self, n_keep, num_layers, prefill_stats, max_new_tokens):
             handed.append(prefill_stats)
             return super().layer_budgets(n_keep, num_layers, prefill_stats, max_new_tokens)
+
+        def compress(self, layer, kv, stats, n_keep, phase, host=None):
+            if phase == "prefill":  # the per-query-head sums were dropped once their variances were taken
+                compressed_with.append((stats.query_column_sums, stats.column_sums))
+            return super().compress(layer, kv, stats, n_keep, phase, host)
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (30, 21)]  # ragged: left padding
@@ -170,6 +175,8 @@ def test_engine_hands_d2o_per_query_head_sums(tiny_model):
         for layer in stats:
             assert layer.budget_statistic.shape == (1, Hq) and layer.num_queries.tolist() == [n]
             assert layer.query_column_sums is None and layer.column_sums is None
+    assert len(compressed_with) == 2 * tiny_model.config.num_hidden_layers
+    assert all(query_sums is None and sums is not None for query_sums, sums in compressed_with)
 
 
 def test_budgets_from_the_statistics_taken_in_the_pass_equal_those_from_the_whole_statistics(tiny_model):
