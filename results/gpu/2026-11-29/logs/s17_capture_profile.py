@@ -3,6 +3,9 @@ about 89 ms against the full cache's 59 (s17 call 4), on an idle device. Per met
 ``DecodeGraph._capture`` under cProfile: its recording time, then the functions by own time and by cumulative time.
 
     PYTHONPATH=/tmp/site:$PWD python3 results/gpu/2026-11-29/logs/s17_capture_profile.py --methods full,d2o
+
+``--callees PATTERN`` also prints the callees of the functions matching PATTERN (the eighteenth session's call 4:
+the lane fork's, ``"_observe_and_compress_in_pass|grad_mode.py:293|contextlib.py"``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from scripts.profile_decode import configs, setup
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--callees", default="", help="print the callees of the functions matching this pattern")
     args, _, lm, prompt = setup(parser, steps=0, top=40)
     capture = DecodeGraph._capture
     state = {"profile": None, "seconds": []}
@@ -48,6 +52,10 @@ def main() -> None:
             out = io.StringIO()
             pstats.Stats(state["profile"], stream=out).sort_stats(key).print_stats(args.top)
             print("\n".join(line for line in out.getvalue().splitlines() if line.strip()), flush=True)
+        if args.callees:
+            out = io.StringIO()
+            pstats.Stats(state["profile"], stream=out).sort_stats("cumtime").print_callees(args.callees)
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-6000:], flush=True)
     DecodeGraph._capture = capture
 
 

@@ -91,9 +91,10 @@ def main() -> None:
             eager.append(time.perf_counter() - start)
             torch.cuda.synchronize()
         captured = [timed_capture(body) for _ in range(3)]
-        print(f"{name:16s} eager {min(eager) * 1e3:7.2f} ms; captured: recording "
-              f"{[round(r * 1e3, 2) for r, _ in captured]} ms, instantiating {[round(i * 1e3, 2) for _, i in captured]}",
-              flush=True)
+        recording = [round(r * 1e3, 2) for r, _ in captured]
+        instantiating = [round(i * 1e3, 2) for _, i in captured]
+        print(f"{name:16s} eager {min(eager) * 1e3:7.2f} ms; captured: recording {recording} ms, instantiating "
+              f"{instantiating}", flush=True)
 
 
 if __name__ == "__main__":
