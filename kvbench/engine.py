@@ -62,8 +62,12 @@ POSITION_LIMIT_STEP = 4096
 # l % LAYER_STREAMS; 1: in line, after the pass). The layers' evictions touch only their own storage, and each is a
 # few latency-bound launches of a few microseconds, so run one after another they leave most of the device idle.
 # Replayed 64k steps at batch 1 (H200): CaM -9.6 %, D2O -8.5 %, WeightedKV -8 %, TOVA -5.6 %, H2O -4.5 % with
-# 32 streams (8 gave about 1 % less); CaM's 16k step of 3 points x 2 rows -20 %.
-LAYER_STREAMS = 32
+# 32 streams; CaM's 16k step of 3 points x 2 rows -20 %. Two streams replay as fast as 32 (an H200 at 32k, one
+# process, interleaved: D2O's steps after the first 5.66 against 5.65 ms, CaM's 5.58 against 5.57; one stream:
+# 6.31 and 6.26), and a capture that forks to fewer streams records faster (each stream allocates from segments of
+# its own in the graph's private pool: 43 new segments with 32 streams, 11 with one): D2O's first step, its
+# recording on an idle device, took 28-36 ms against 35-88 with 32 (results/gpu/2026-11-30, calls 3 and 4).
+LAYER_STREAMS = 2
 
 
 def _sync(device: torch.device) -> None:
