@@ -83,7 +83,8 @@ def main() -> None:
             for call in range(args.calls):
                 marks.clear(), segments.clear(), gap_on.clear()
                 last = call == args.calls - 1
-                profiles.update(gap=cProfile.Profile() if last else None, recording=cProfile.Profile() if last else None)
+                profiles.update(gap=cProfile.Profile() if last else None,
+                                recording=cProfile.Profile() if last else None)
                 engine.generate([prompt], args.new_tokens, set(), min_new_tokens=args.new_tokens)
                 torch.cuda.synchronize()
                 t0 = next(t for n, t in marks if n == "prefill_row <")
