@@ -56,6 +56,12 @@ class HostSizes:
         """Per batch row, its longest head after a compression to ``kept`` (``keep_topk``'s ``row_sizes``)."""
         return self.kept().max(-1).tolist()
 
+    def kept_alike(self) -> bool:
+        """Whether every head of every row keeps as many slots (``kept``): storage compressed to them has no
+        padding."""
+        kept = self.kept()
+        return bool((kept == kept.flat[0]).all()) if kept.size else True
+
 
 @dataclass
 class LayerKV:
@@ -96,10 +102,12 @@ class LayerKV:
         slots = torch.arange(self.capacity, device=self.keys.device)
         return slots.view(1, 1, -1) < self.lengths.unsqueeze(-1)
 
-    def gather(self, index: Tensor, lengths: Tensor) -> "LayerKV":
+    def gather(self, index: Tensor, lengths: Tensor, host: HostSizes | None = None) -> "LayerKV":
         """Keep slots ``index`` (B, H, K) of every row; entries at or past ``lengths`` (B, H) are padding.
 
         Every kept slot carries its key, value, position and state along; the result is allocated at K slots.
+        ``host``: the compression's sizes where the host knows them and ``lengths`` are its ``kept`` (a
+        ``keep_topk`` selection), so that padding is cleared only where there is some (``zero_padding``).
         """
         idx = index.clamp(min=0)
         kv = LayerKV(
@@ -110,7 +118,7 @@ class LayerKV:
             state={name: s.gather(2, idx) for name, s in self.state.items()},
             tables=self.tables,
         )
-        kv.zero_padding()
+        kv.zero_padding(host)
         return kv
 
     @classmethod
@@ -162,8 +170,13 @@ class LayerKV:
         """Re-allocate the tables at ``sizes`` entries (each >= its current size), padded with unused entries."""
         self.tables = {name: F.pad(t, (0, sizes[name] - t.shape[-1]), value=-1) for name, t in self.tables.items()}
 
-    def zero_padding(self) -> None:
-        """Clear padding slots so that stale data can never leak into a later computation."""
+    def zero_padding(self, host: HostSizes | None = None) -> None:
+        """Clear padding slots so that stale data can never leak into a later computation. ``host``: the sizes
+        of the compression that made this storage, its rows at ``HostSizes.kept``; where every head keeps alike
+        there is no padding, and nothing is launched (a prompt compression queued on the host while the device
+        waits for it: D2O's, after the pass)."""
+        if host is not None and host.kept_alike():
+            return
         pad = ~self.valid()
         self.keys.masked_fill_(pad.unsqueeze(-1), 0)
         self.values.masked_fill_(pad.unsqueeze(-1), 0)

@@ -77,9 +77,9 @@ def keep_topk(
     # Priority tiers: recent window > sinks > scored tokens; ties inside the score tier by score.
     big = torch.finfo(torch.float32).max / 4
     prio = scores.float().clamp(min=-big / 2, max=big / 2)
-    prio = torch.where(sink_mask, torch.full_like(prio, big), prio)
-    prio = torch.where(recent_mask, torch.full_like(prio, 2 * big) + slots.float(), prio)
-    prio = torch.where(valid, prio, torch.full_like(prio, -float("inf")))
+    prio = torch.where(sink_mask, big, prio)
+    prio = torch.where(recent_mask, slots.float() + 2 * big, prio)
+    prio = torch.where(valid, prio, -float("inf"))
     if row_sizes is not None:
         row_k = row_sizes
     else:
@@ -95,7 +95,7 @@ def keep_topk(
     # Entries past a row's n_keep are not kept: push them to the end, then restore original order.
     rank = torch.arange(k, device=scores.device).view(1, 1, -1)
     keep = rank < n_keep.unsqueeze(-1)
-    top = torch.where(keep, top, torch.full_like(top, T))
+    top = torch.where(keep, top, T)
     index = top.sort(dim=-1).values
     last = index.gather(-1, (n_keep - 1).clamp(min=0).unsqueeze(-1))
     index = torch.where(index >= T, last, index)

@@ -190,11 +190,11 @@ class D2O(Method):
         mass = torch.where(kept, own, torch.where(merged, merged_mass, 0.0))
         norm = group_sum(mass, target, index.shape[-1])  # of each kept slot: its own term + its merged ones
         weight = raw / norm.gather(2, target.clamp(min=0)).clamp(min=1e-12)
-        out = kv.gather(index, lengths)
+        out = kv.gather(index, lengths, host)
         out.keys = scatter_merge(kv.keys, target, weight, index.shape[-1])
         out.values = scatter_merge(kv.values, target, weight, index.shape[-1])
         out.state[THRESHOLD] = threshold.float().unsqueeze(-1).expand(-1, -1, out.capacity).clone()
-        out.zero_padding()
+        out.zero_padding(host)
         return out
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:

@@ -86,7 +86,7 @@ class H2O(Method):
         sinks, recent = heavy_split(keep, self.heavy_ratio, self.sinks)
         index, lengths = keep_topk(self._score(kv), keep, kv.lengths, sinks=sinks, recent=recent,
                                    row_sizes=host and host.most_kept())
-        return kv.gather(index, lengths)
+        return kv.gather(index, lengths, host)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """The lowest score outside the sinks and the recent window (the budget's split made on the device)."""

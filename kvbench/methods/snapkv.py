@@ -70,4 +70,4 @@ class SnapKV(Method):
         keep = per_sample_n_keep(n_keep, kv)  # (B, H)
         index, lengths = keep_topk(self.scores(kv, stats), keep, kv.lengths, recent=self.window,
                                    row_sizes=host and host.most_kept())
-        return kv.gather(index, lengths)
+        return kv.gather(index, lengths, host)

@@ -56,7 +56,7 @@ class StreamingLLM(Method):
         scores = torch.zeros(kv.positions.shape, device=kv.keys.device)
         index, lengths = keep_topk(scores, keep, kv.lengths, sinks=sinks, recent=recent,
                                    row_sizes=host and host.most_kept())
-        return kv.gather(index, lengths)
+        return kv.gather(index, lengths, host)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """Drop the oldest token after the sinks (a ring buffer after them); a budget within the sinks drops

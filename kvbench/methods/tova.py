@@ -57,7 +57,7 @@ class TOVA(Method):
         scores = self.scores(stats.window_column_sums if phase == "prefill" else stats.step())
         index, lengths = keep_topk(scores, per_sample_n_keep(n_keep, kv), kv.lengths,
                                    row_sizes=host and host.most_kept())
-        return kv.gather(index, lengths)
+        return kv.gather(index, lengths, host)
 
     def scores(self, attention: Tensor) -> Tensor:
         """(B, H, T) attention -> eviction scores (the head average, or each head's own)."""

@@ -103,7 +103,7 @@ class WeightedKV(Method):
         values, alive = merge(kv.values, average, order, excess)
         index, lengths = keep_topk(alive.float(), keep, kv.lengths,  # survivors, in order
                                    row_sizes=host and host.most_kept())
-        return replace(kv, values=values).gather(index, lengths)
+        return replace(kv, values=values).gather(index, lengths, host)
 
     def evict_one(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor) -> None:
         """``compress`` of a row one slot over its budget, in place: the region's lowest a_bar (ties: the oldest)
