@@ -118,6 +118,14 @@ class CompressedLayer(CacheLayerMixin):
         self.adopt(LayerKV.empty(like.kv, batch, capacity), np.zeros((batch, like.host_lengths.shape[1]), np.int64))
         self.fresh = False
 
+    def allocate_alone(self, row: "CompressedLayer", capacity: int) -> None:
+        """``allocate`` storage of one row at ``capacity`` slots and ``place`` the one-row layer ``row`` into it, each
+        tensor copied once (``LayerKV.placed_alone``) instead of allocated, then written and cleared."""
+        self.lazy_initialization(row.kv.keys, row.kv.values)
+        self.adopt(row.kv.placed_alone(row.longest, capacity), row.host_lengths)
+        self.ordered = row.ordered
+        self.fresh = False
+
     def place(self, rows: np.ndarray, row: "CompressedLayer", capacity: int) -> None:
         """Copy the one-row layer ``row`` into rows ``rows`` of this storage, first growing the storage to at
         least ``capacity`` slots (what the row needs while it decodes) and its tables to the row's sizes."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -49,7 +48,7 @@ from torch import Tensor
 
 from kvbench.attention import attach
 from kvbench.cache import CompositeCache
-from kvbench.engine import Engine, Generation, Session, _sync
+from kvbench.engine import Engine, Generation, Session, _sync, clock_mark
 from kvbench.graphs import DecodeGraph
 from kvbench.hardware import free_memory_bytes
 from kvbench.kv import host_to_device
@@ -167,7 +166,11 @@ class DecodeBatch:
         self.clock = [0.0]  # device seconds of all decode steps up to step n (index n)
         self.share = [0.0]  # the same, each step's seconds divided among the rows it decoded
         self.last_end: Any = None
-        self.restart = True  # the next step's time starts at its own start (first step, after an admission)
+        # the next step's time starts afresh (first step, after an admission): where the newest placed row's
+        # prefill ended (its first token: the time to its second one includes placing it and recording the
+        # step's graph), else at the step's launch; otherwise where the step before it ended
+        self.restart = True
+        self.restart_from: Any = None
         self.attachment = ExitStack()  # the model switched to kvbench's attention from the first step to close()
         self.attached = False
         self.built = False  # the step's composite cache, row selection and graph runner match the points
@@ -303,6 +306,8 @@ class DecodeBatch:
         engine, slot = point.engine, lambda row: row - point.first
         for row, rows in placed:
             request = point.flights[rows[0]].request  # the same for every slot of a group
+            if row.prefill_end is not None:  # rows are placed in the order they were prefilled
+                self.restart_from = row.prefill_end
             capacities = engine.planned_capacities(row, request.max_new_tokens)
             if point.session is None:
                 storage = engine.batch_capacities(row, request.max_new_tokens)
@@ -350,7 +355,10 @@ class DecodeBatch:
         self._empty_outgrowing()
         if not self.built:
             self._build_runner()
-        start = self._mark() if self.restart else None
+        start = None
+        if self.restart:
+            start = self.restart_from if self.restart_from is not None else self._mark()
+            self.restart_from = None
         members = [flight for p in self.points for flight in p.flights.values()]
         bytes_before = self.row_bytes.copy()
         replayed = self.runner.step() if self.runner is not None else self._body(False)
@@ -468,11 +476,7 @@ class DecodeBatch:
         return self._bytes_delta[1]
 
     def _mark(self) -> Any:
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return clock_mark(self.device)
 
     def _seconds(self, record: _Step) -> float:
         """Device seconds of step ``record`` (its end event is waited for: its tokens are read next)."""

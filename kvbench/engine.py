@@ -75,6 +75,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_mark(device: torch.device) -> float | torch.cuda.Event:
+    """A point on ``device``'s clock: on CUDA an event recorded on the current stream now (it is reached when the
+    device has run the work queued before it), elsewhere the host clock (every operation has finished)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 @cache
 def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     return tuple(torch.cuda.Stream(device) for _ in range(count))
@@ -251,6 +261,9 @@ class Session:
     prompt_lengths: list[int] = field(default_factory=list)  # per row, without its suffix
     # a prefilled row's time (``prefill_seconds``): seconds, or the CUDA events around work not waited for yet
     _prefill: float | tuple[torch.cuda.Event, torch.cuda.Event] = field(default=0.0, repr=False)
+    # a prefilled row: where its prefill ended (its first token) on the device's clock (``clock_mark``); a decode
+    # batch times the row's first step from there, placing the row and recording the step's graph included
+    prefill_end: float | torch.cuda.Event | None = field(default=None, repr=False)
     copies: int = 1  # a prefilled row: how many batch rows share that one prefill (its time is split among them)
     placed_copies: int = 0  # a prefilled row: copies a ``DecodeBatch`` has placed (then its cache is freed)
     row_steps: np.ndarray | None = None
@@ -455,10 +468,15 @@ class Session:
         cache = CompressedCache(engine.num_layers)
         rows = None if first is None else np.asarray(first)
         for mine, theirs, capacity in zip(cache.layers, like.cache.layers, capacities):
-            mine.allocate(theirs, batch, capacity)  # outside inference mode: steps update the storage in place
+            # outside inference mode: steps update the storage in place
+            if rows is not None and batch == 1:  # the row is the storage: copied at the storage's capacity
+                mine.allocate_alone(theirs, capacity)
+            else:
+                mine.allocate(theirs, batch, capacity)
+                if rows is not None:
+                    with torch.inference_mode():
+                        mine.place(rows, theirs, capacity)
             if rows is not None:
-                with torch.inference_mode():
-                    mine.place(rows, theirs, capacity)
                 theirs.kv = None
         L, H = like.prefill_lengths.shape[0], like.prefill_lengths.shape[2]
         session = cls(engine, cache, next_index=like.next_index.new_zeros(batch),
@@ -670,10 +688,10 @@ class Engine:
         row = self._prefill_row(prompt, n_keep, max_new_tokens, suffix or [], DeviceTimer(self.device))
         if timed_by_events:
             ended.record()
-            row.prefill_seconds = (began, ended)
+            row.prefill_seconds, row.prefill_end = (began, ended), ended
         else:
             _sync(self.device)
-            row.prefill_seconds = time.perf_counter() - start
+            row.prefill_seconds, row.prefill_end = time.perf_counter() - start, clock_mark(self.device)
         return row
 
     def _prefill_row(self, prompt: list[int], n_keep: Tensor, max_new_tokens: int, suffix: list[int],

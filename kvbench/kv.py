@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from kvbench.attention import Rope
 
 
+def _at_slots(t: Tensor, capacity: int, fill: float, dim: int) -> Tensor:
+    """A copy of ``t`` at ``capacity`` slots along ``dim``: its first slots, or all of them and ``fill`` after."""
+    grow = capacity - t.shape[dim]
+    if grow <= 0:
+        return t.narrow(dim, 0, capacity).clone()
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, grow], value=fill)
+
+
 def host_to_device(host: Tensor, device: torch.device) -> Tensor:
     """A host tensor on ``device`` without waiting for the device: through pinned memory, asynchronously, on
     CUDA (a copy from pageable memory first waits for the work queued on the stream). A tensor made on the device
@@ -196,15 +204,27 @@ class LayerKV:
         self.resize(need if exact else max(need, self.capacity + self.capacity // 2))
 
     def resize(self, capacity: int) -> None:
-        """Re-allocate every per-slot tensor at ``capacity`` slots (>= every row's length), in place."""
-        def pad(t: Tensor, value: float) -> Tensor:
-            shape = list(t.shape)
-            shape[2] = capacity - t.shape[2]
-            return torch.cat([t, t.new_full(shape, value)], dim=2) if shape[2] > 0 else t[:, :, :capacity].clone()
+        """Re-allocate every per-slot tensor at ``capacity`` slots (>= every row's length), in place; a packed
+        state as one block."""
+        block = self.packed_state()
+        self.keys, self.values = _at_slots(self.keys, capacity, 0, 2), _at_slots(self.values, capacity, 0, 2)
+        self.positions = _at_slots(self.positions, capacity, -1, 2)
+        if block is None:
+            self.state = {name: _at_slots(s, capacity, 0, 2) for name, s in self.state.items()}
+        else:
+            self.pack_state(_at_slots(block, capacity, 0, 3))
 
-        self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
-        self.positions = pad(self.positions, -1)
-        self.state = {name: pad(s, 0) for name, s in self.state.items()}
+    def placed_alone(self, span: int, capacity: int) -> "LayerKV":
+        """What ``empty`` storage of one row at ``capacity`` slots holds once this one-row storage is put into it
+        (``put_rows``: its first ``span`` slots, the rest cleared, the state packed), each tensor copied once."""
+        block = self.packed_state()
+        kv = LayerKV(keys=self.keys.narrow(2, 0, span), values=self.values.narrow(2, 0, span),
+                     positions=self.positions.narrow(2, 0, span), lengths=self.lengths.clone(),
+                     state={name: s.narrow(2, 0, span) for name, s in self.state.items()},
+                     tables={name: t.clone() for name, t in self.tables.items()})
+        kv.pack_state(None if block is None else block.narrow(3, 0, span))
+        kv.resize(capacity)
+        return kv
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Write q new tokens (B, H, q, D) after each row's last real slot, growing the storage if needed."""
@@ -251,14 +271,17 @@ class LayerKV:
             s.narrow(-1, start, q).zero_()
         self.lengths += q
 
-    def pack_state(self) -> None:
-        """Stack every per-slot state into ``state_block`` and make the entries views of it (float32 states)."""
-        if any(t.dtype != torch.float32 for t in self.state.values()):
-            return
+    def pack_state(self, block: Tensor | None = None) -> None:
+        """Make every per-slot state entry a view of one float32 block ``state_block`` (S, B, H, T): ``block``
+        where the caller holds the states so (in ``state``'s order), else the states stacked, unless they are
+        views of one already; nothing where a state is not float32."""
         names = list(self.state)
-        shape = (len(names), *self.positions.shape)
-        block = torch.stack([self.state[n] for n in names]) if names else self.keys.new_zeros(shape,
-                                                                                           dtype=torch.float32)
+        if block is None:
+            if self.packed_state() is not None or any(t.dtype != torch.float32 for t in self.state.values()):
+                return
+            shape = (len(names), *self.positions.shape)
+            block = torch.stack([self.state[n] for n in names]) if names else self.keys.new_zeros(
+                shape, dtype=torch.float32)
         self.state = {name: block[i] for i, name in enumerate(names)}
         self.state_block = block
         self._state_views = tuple(self.state.values())

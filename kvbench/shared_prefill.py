@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kvbench.cache import CompressedCache, PassPlan
-from kvbench.engine import DeviceTimer, Engine, Session, _sync
+from kvbench.engine import DeviceTimer, Engine, Session, _sync, clock_mark
 from kvbench.kv import AttentionStats, HostSizes, LayerKV
 from kvbench.overlap import LayerWorker
 
@@ -281,7 +281,9 @@ class _SharedPass:
             Session.feed_together(finished, tokens.expand(len(finished), -1), "extend")
             _sync(device)
         suffix_share = (time.perf_counter() - t2) / max(1, len(finished))
+        end = clock_mark(device)
         for i, row in enumerate(rows):
             if isinstance(row, Session):
                 row.prefill_seconds = shared_seconds + in_pass[i] + self.after_pass[i] + own[i] + suffix_share
+                row.prefill_end = end
         return rows

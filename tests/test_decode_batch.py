@@ -3,6 +3,8 @@ or leaves the batch around it, for every shipped method, one point or several in
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import torch
@@ -82,6 +84,29 @@ def test_one_point_with_fewer_slots_than_rows_equals_rows_alone(tiny_model, name
         assert got[tag].kv_bytes_final == row.kv_bytes_final
         assert got[tag].decode_kv_bytes_mean == pytest.approx(row.decode_kv_bytes_mean, nan_ok=True)
     assert all(g.tpot_seconds > 0 and g.decode_seconds > 0 and g.batch_size == 2 for g in got.values())
+
+
+def test_a_rows_first_step_is_timed_from_its_first_token(tiny_model, monkeypatch):
+    """The time between a row's first token (its prefill's end) and its second includes placing the row into the
+    batch's storage, as ``model.generate``'s own gap does: a placement slowed by 0.3 s shows in the first step,
+    not in the steps after it."""
+    from kvbench.engine import Session
+
+    allocate = Session.allocate.__func__
+
+    def slow_allocate(cls, *args, **kwargs):
+        time.sleep(0.3)
+        return allocate(cls, *args, **kwargs)
+
+    engine = Engine(tiny_model, build("h2o"), Budget("tokens", 12))
+    prompt = random_prompts([30], tiny_model.config.vocab_size, seed=5)[0]
+    monkeypatch.setattr(Session, "allocate", classmethod(slow_allocate))
+    with use_backend("torch"):
+        got = engine.generate([prompt], 6, set(), min_new_tokens=6)[0]
+    assert got.first_step_seconds >= 0.3
+    assert got.tpot_after_first_seconds < 0.3
+    steps = len(got.tokens) - 1  # the first token is the prefill's
+    assert got.tpot_seconds * steps == pytest.approx(got.first_step_seconds + (steps - 1) * got.tpot_after_first_seconds)
 
 
 def test_generate_decodes_more_prompts_than_its_batch_size(tiny_model):

@@ -28,9 +28,11 @@ out-of-memory is a result (the try's row: ``fits`` false, the error), never a cr
 Tokens/s [I]: the papers' throughput claims (EMS, D2O, Chelsea) compare decoding; ``decode_tokens_per_second``
 = batch / TPOT is that number, ``throughput_tokens_per_second`` = batch x new tokens / (TTFT + decode time) the
 end-to-end one (at long contexts and few new tokens, prefill dominates it). TPOT is split too: the first decode
-step (``first_step_seconds``: where kvbench records a new decode batch's CUDA graph, on an idle device when the
-host had to wait for the prompt pass, as D2O's layer budgets make it) and the mean of the steps after it
-(``tpot_after_first_seconds``); their ratios to the full cache's sit beside TPOT's.
+step (``first_step_seconds``, from the first token, the end of the row's prefill, to the second, as plain
+generate's gap between its first two tokens: kvbench places the row into the decode batch's storage and records
+the batch's CUDA graph there, on an idle device when the host had to wait for the prompt pass, as D2O's layer
+budgets make it) and the mean of the steps after it (``tpot_after_first_seconds``); their ratios to the full
+cache's sit beside TPOT's.
 
 The bytes-read bound, for every cell: a decode step must read every weight once and the K+V bytes attention
 reads, so TPOT >= (parameter bytes + KV bytes read per step) / memory bandwidth. Parameter bytes count every
@@ -64,9 +66,9 @@ from kvbench.tasks.base import NO_QUERY, Prompt, Sample, Task
 
 MEASURE_KINDS = ("latency", "throughput")
 SYSTEMS = ("method", "full", "bare")
-# first_step_seconds, tpot_after_first_seconds: the TPOT's first decode step (where kvbench records the step's
-# CUDA graph; plain generate's first cached step) and the mean of the steps after it, so that a TPOT ratio shows
-# whether a method's one-off first step or its every step costs it
+# first_step_seconds, tpot_after_first_seconds: the TPOT's first decode step (where kvbench places the row and
+# records the step's CUDA graph; plain generate's first cached step) and the mean of the steps after it, so that a
+# TPOT ratio shows whether a method's one-off first step or its every step costs it
 MEASURES = ("ttft_seconds", "tpot_seconds", "tpot_bound_seconds", "peak_memory_bytes",
             "peak_memory_above_weights_bytes", "throughput_tokens_per_second", "decode_tokens_per_second",
             "first_step_seconds", "tpot_after_first_seconds")
