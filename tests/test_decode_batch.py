@@ -106,7 +106,8 @@ def test_a_rows_first_step_is_timed_from_its_first_token(tiny_model, monkeypatch
     assert got.first_step_seconds >= 0.3
     assert got.tpot_after_first_seconds < 0.3
     steps = len(got.tokens) - 1  # the first token is the prefill's
-    assert got.tpot_seconds * steps == pytest.approx(got.first_step_seconds + (steps - 1) * got.tpot_after_first_seconds)
+    after = (steps - 1) * got.tpot_after_first_seconds
+    assert got.tpot_seconds * steps == pytest.approx(got.first_step_seconds + after)
 
 
 def test_generate_decodes_more_prompts_than_its_batch_size(tiny_model):
