@@ -119,8 +119,8 @@ class CompressedLayer(CacheLayerMixin):
         self.fresh = False
 
     def allocate_alone(self, row: "CompressedLayer", capacity: int) -> None:
-        """``allocate`` storage of one row at ``capacity`` slots and ``place`` the one-row layer ``row`` into it, each
-        tensor copied once (``LayerKV.placed_alone``) instead of allocated, then written and cleared."""
+        """``allocate`` storage of one row at ``capacity`` slots and ``place`` the one-row layer ``row`` into it, in
+        fewer operations (``LayerKV.placed_alone``: the row's own storage where it fits, else a copy a tensor)."""
         self.lazy_initialization(row.kv.keys, row.kv.values)
         self.adopt(row.kv.placed_alone(row.longest, capacity), row.host_lengths)
         self.ordered = row.ordered

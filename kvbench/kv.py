@@ -216,8 +216,15 @@ class LayerKV:
 
     def placed_alone(self, span: int, capacity: int) -> "LayerKV":
         """What ``empty`` storage of one row at ``capacity`` slots holds once this one-row storage is put into it
-        (``put_rows``: its first ``span`` slots, the rest cleared, the state packed), each tensor copied once."""
+        (``put_rows``: its first ``span`` slots, the rest cleared, the state packed): this storage itself, its
+        slots past ``span`` cleared, where it can serve (``_adoptable``), else each tensor copied once."""
         block = self.packed_state()
+        if capacity == self.capacity and self._adoptable(block):
+            for t, fill, dim in ((self.keys, 0, 2), (self.values, 0, 2), (self.positions, -1, 2), (block, 0, 3)):
+                t.narrow(dim, span, capacity - span).fill_(fill)
+            self.lengths = self.lengths.clone()  # small, and made in the prompt pass's inference mode
+            self.tables = {name: t.clone() for name, t in self.tables.items()}
+            return self
         kv = LayerKV(keys=self.keys.narrow(2, 0, span), values=self.values.narrow(2, 0, span),
                      positions=self.positions.narrow(2, 0, span), lengths=self.lengths.clone(),
                      state={name: s.narrow(2, 0, span) for name, s in self.state.items()},
@@ -225,6 +232,13 @@ class LayerKV:
         kv.pack_state(None if block is None else block.narrow(3, 0, span))
         kv.resize(capacity)
         return kv
+
+    def _adoptable(self, block: Tensor | None) -> bool:
+        """Whether this storage's per-slot tensors can be a decode batch's as they are: the state packed
+        (``block``), and none a view of another's memory or an inference tensor (decode steps update the storage
+        in place, outside inference mode too)."""
+        tensors = (self.keys, self.values, self.positions, block)
+        return block is not None and all(t._base is None and not t.is_inference() for t in tensors)
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Write q new tokens (B, H, q, D) after each row's last real slot, growing the storage if needed."""

@@ -181,6 +181,44 @@ def test_layer_kv_gather_moves_state_and_zeroes_padding():
     assert out.state["score"].tolist() == [[[0, 30, 40], [60, 70, 0]]]
 
 
+@pytest.mark.parametrize("capacity", [8, 11])  # the row's own capacity (its storage adopted), larger (copied)
+@pytest.mark.parametrize("inference", [False, True])  # a row made in inference mode is copied
+def test_a_batch_of_its_one_row_holds_what_allocating_and_placing_it_writes(capacity, inference):
+    """``CompressedLayer.allocate_alone`` (a decode batch's only row) against ``allocate`` then ``place``: the same
+    keys, values, positions, state, tables, lengths and mirror, stale slots past the row's longest head cleared,
+    and storage that steps may update in place outside inference mode."""
+    from kvbench.cache import CompressedLayer
+
+    def row_layer() -> CompressedLayer:
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode(inference):
+            kv = LayerKV.from_dense(torch.randn(1, 2, 8, 3, generator=g), torch.randn(1, 2, 8, 3, generator=g))
+            kv.state = {"a": torch.rand(1, 2, 8, generator=g), "b": torch.rand(1, 2, 8, generator=g)}
+            kv.tables = {"t": torch.arange(6).view(1, 2, 3).clone()}
+            kv.lengths = torch.tensor([[6, 4]])
+            kv.pack_state()
+        layer = CompressedLayer()
+        layer.lazy_initialization(kv.keys, kv.values)
+        layer.adopt(kv, kv.lengths.numpy())
+        return layer  # slots 6 and 7 of both heads hold stale data, as slots 4 and 5 of head 1 (its own padding)
+
+    alone, general, row = CompressedLayer(), CompressedLayer(), row_layer()
+    own_keys = row.kv.keys
+    alone.allocate_alone(row, capacity)
+    general.allocate(row_layer(), 1, capacity)
+    with torch.inference_mode():
+        general.place(torch.tensor([0]).numpy(), row_layer(), capacity)
+    a, b = alone.kv, general.kv
+    for name in ("keys", "values", "positions", "lengths"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.state.keys() == b.state.keys() and all(torch.equal(a.state[n], b.state[n]) for n in a.state)
+    assert torch.equal(a.tables["t"], b.tables["t"]) and a.packed_state() is not None
+    assert (alone.host_lengths == general.host_lengths).all() and alone.longest == general.longest == 6
+    assert not any(t.is_inference() for t in (a.keys, a.values, a.positions, a.state_block))
+    assert (a.keys is own_keys) == (capacity == 8 and not inference)  # adopted only where it can serve as it is
+    a.keys.add_(1)  # outside inference mode
+
+
 def test_layer_kv_append_writes_after_each_rows_end():
     kv = LayerKV.from_dense(torch.ones(1, 2, 3, 1), torch.ones(1, 2, 3, 1))
     kv.lengths = torch.tensor([[3, 1]])
