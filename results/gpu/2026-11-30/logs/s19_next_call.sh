@@ -3,11 +3,10 @@
 #   bash results/gpu/2026-11-30/logs/s19_next_call.sh grid16   (about 200 s: 16k throughput, the tightest methods)
 #   bash results/gpu/2026-11-30/logs/s19_next_call.sh grid64   (about 300 s: the decode-time methods at 64k)
 # What they check: TPOT now runs from the first token (placing the row and recording the graph inside the first
-# step, `dd4630d`), the batch's only row is placed in one copy a tensor, D2O's prompt compression queues 131
-# operations a layer (`c96a5c1`), two side lanes (`eb26c9b`). Expected: D2O's 32k TPOT / full about 0.02 above
-# this session's 1.01 and 0.92; the full cache's TPOT up by its placement copy (about 2.5 ms once at 32k); at the
-# 16k throughput batches the copy of one row into every slot lands in the first step (about 20 ms for CaM's 141
-# rows and the full cache's 29), so each bound fraction drops by about 3 %.
+# step, `dd4630d`), a batch's only row keeps its storage where it fits, else is copied once a tensor (`8d38da5`),
+# D2O's prompt compression queues 131 operations a layer (`c96a5c1`), two side lanes (`eb26c9b`). Expected: D2O's 32k TPOT / full about 0.02 above this session's 1.01 and 0.92; at the 16k
+# throughput batches the copy of one row into every slot lands in the first step (about 20 ms for CaM's 141 rows
+# and the full cache's 29), so each bound fraction drops by about 3 %.
 s=scripts/gpu_session.sh; bash $s setup >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 grid() {  # name length methods limit [extra efficiency_grid arguments]
   timeout $4 python3 scripts/efficiency_grid.py --root /tmp/gpu/$1 --models llama3.1-8b-shape-random --methods $3 \
