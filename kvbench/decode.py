@@ -357,7 +357,7 @@ class DecodeBatch:
             self._build_runner()
         start = None
         if self.restart:
-            start = self.restart_from if self.restart_from is not None else self._mark()
+            start = self.restart_from if self.restart_from is not None else clock_mark(self.device)
             self.restart_from = None
         members = [flight for p in self.points for flight in p.flights.values()]
         bytes_before = self.row_bytes.copy()
@@ -367,7 +367,7 @@ class DecodeBatch:
         self.steps_by_kind[kind] += 1
         buffer = self.host_tokens[self.launched % len(self.host_tokens)]
         buffer.copy_(self.tokens.view(-1), non_blocking=True)
-        self.records.append(_Step(self.launched, members, bytes_before, self._mark(), kind, start))
+        self.records.append(_Step(self.launched, members, bytes_before, clock_mark(self.device), kind, start))
         self.restart = False
         if replayed:
             self.row_bytes += self._replay_bytes()
@@ -474,9 +474,6 @@ class DecodeBatch:
                 delta[point.first:point.first + self.slots] = added
             self._bytes_delta = (self.runner.captured, delta)
         return self._bytes_delta[1]
-
-    def _mark(self) -> Any:
-        return clock_mark(self.device)
 
     def _seconds(self, record: _Step) -> float:
         """Device seconds of step ``record`` (its end event is waited for: its tokens are read next)."""

@@ -469,7 +469,7 @@ class Session:
         rows = None if first is None else np.asarray(first)
         for mine, theirs, capacity in zip(cache.layers, like.cache.layers, capacities):
             # outside inference mode: steps update the storage in place
-            if rows is not None and batch == 1:  # the row is the storage: copied at the storage's capacity
+            if rows is not None and batch == 1:  # the storage's only row: its own storage, or one copy a tensor
                 mine.allocate_alone(theirs, capacity)
             else:
                 mine.allocate(theirs, batch, capacity)
