@@ -58,6 +58,7 @@ def test_a_compression_given_the_hosts_sizes_is_the_compression_without_them(cas
     kv, stats = prompt_layer(3, seed=1)
     n_keep = torch.tensor([12, 50, 5])  # one budget over every row's length: that row keeps everything
     host = HostSizes(n_keep=n_keep.numpy(), lengths=kv.lengths.numpy().copy())
+    assert not host.kept_alike()  # padding to clear: ``LayerKV.zero_padding`` given the sizes clears it
     with use_backend("torch"):
         want = method.compress(0, fresh(kv), stats, n_keep, "prefill")
         got = method.compress(0, fresh(kv), stats, n_keep, "prefill", host)
@@ -67,6 +68,22 @@ def test_a_compression_given_the_hosts_sizes_is_the_compression_without_them(cas
         assert kept is not None
     if kept is not None:
         assert kept.tolist() == want.lengths.tolist()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_compression_whose_heads_keep_alike_given_the_hosts_sizes_is_the_compression_without_them(case):
+    """One row whose heads are equally long, as a prompt pass leaves them: every head keeps as many slots, so a
+    compression told so clears no padding (``HostSizes.kept_alike``), and gives the same bits."""
+    method = build(case)
+    kv, stats = prompt_layer(1, seed=4)
+    kv.lengths[:] = T
+    n_keep = torch.tensor([12])
+    host = HostSizes(n_keep=n_keep.numpy(), lengths=kv.lengths.numpy().copy())
+    assert host.kept_alike()
+    with use_backend("torch"):
+        want = method.compress(0, fresh(kv), stats, n_keep, "prefill")
+        got = method.compress(0, fresh(kv), stats, n_keep, "prefill", host)
+    assert_same(got, want)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
