@@ -28,7 +28,7 @@ Paths, chosen per layer and pass from the cache's host mirror (never from a devi
   has the two cached paths above read its ``Method.expand`` entries instead, over their whole (static)
   capacity, the statistics summed back onto the stored slots (``Expansion.fold``); a one-query pass over
   entries that share their stored slot's key direction (``Expansion.members``: EMS "w.o. pos") runs
-  ``lut_attention`` over the stored slots and the members' (slot, norm) instead, with no view.
+  ``lut_attention_at_centres`` over the stored slots and the members' (centre, norm) instead, with no view.
 After the attention, the engine's ``after_layer`` hook (per-layer prompt compression) runs if it set one.
 """
 
@@ -49,7 +49,7 @@ from kvbench.kernels.attention_stats import ragged_attention
 from kvbench.kernels.chunk_attention import chunk_attention
 from kvbench.kernels.column_sums import attention_lse, causal_attention_lse, column_sums_from_lse
 from kvbench.kernels.decode_attention import decode_attention
-from kvbench.kernels.lut_attention import lut_attention
+from kvbench.kernels.lut_attention import lut_attention_at_centres
 from kvbench.kv import LOGIT_BIAS, AttentionStats
 
 BASE_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
@@ -159,7 +159,8 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
 
     A method that expands its stored slots (``Method.expand``) has attention read the expansion instead, over
     its whole capacity (the host knows no expanded length), with the statistics folded back onto the slots;
-    one query over members of stored slots (``Expansion.members``) attends from the slots (``lut_attention``).
+    one query over members of stored slots (``Expansion.members``) attends from the slots
+    (``lut_attention_at_centres``).
     One query's step attention over the slots comes back pending (``AttentionStats.pending_step``): its last
     launch runs where the method observes, off the pass's critical path."""
     expansion = None if plan.expand is None else plan.expand(module.layer_idx, layer.kv,
@@ -168,8 +169,9 @@ def _cached_attention(base, module, query, layer: CompressedLayer, scaling, plan
     q = query.shape[2]
     if q == 1 and expansion is not None and expansion.members is not None:  # no view: members from their slots
         members, kv = expansion.members, layer.kv
-        output, step = lut_attention(query, kv.keys, kv.values, kv.lengths, members.slot, members.norm, members.live,
-                                     scaling, want_step="step_attention" in wanted, defer_step=True)
+        output, step = lut_attention_at_centres(query, kv.keys, kv.values, kv.positions, kv.lengths, members.centre,
+                                                members.norm, members.position_limit, scaling,
+                                                want_step="step_attention" in wanted, defer_step=True)
         return output.transpose(1, 2), {} if step is None else {"pending_step": step}
     kv = layer.kv if expansion is None else expansion.kv
     static_shapes = plan.static_shapes or expansion is not None

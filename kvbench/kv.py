@@ -492,16 +492,17 @@ class AttentionStats:
 class CentreMembers:
     """Expanded entries that share their stored slot's key direction (EMS "w.o. pos"): member j of the slot c
     attends with the key ||k_j|| * unit(k_c) and the value v_c, so a one-query pass attends to them from the
-    stored slots themselves (``kernels.lut_attention``), with no view.
+    stored slots themselves (``kernels.lut_attention.lut_attention_at_centres``), with no view.
 
-    slot: (B, H_kv, E) long, the stored slot of every member's centre (0 where not live);
+    centre: (B, H_kv, E) long, the position of every member's centre (-1: an unused entry); a member whose centre
+            is not stored is not attended (``lut_expand.centre_slots``);
     norm: (B, H_kv, E) float32, the member's key norm ||k_j||;
-    live: (B, H_kv, E) bool, whether the entry is a member whose centre is stored.
+    position_limit: the pass's bound on the positions (``PassPlan.position_limit``), or None.
     """
 
-    slot: Tensor
+    centre: Tensor
     norm: Tensor
-    live: Tensor
+    position_limit: int | None
 
 
 @dataclass

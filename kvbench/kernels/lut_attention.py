@@ -23,6 +23,7 @@ bool. Returns the output (B, H_q, 1, D_v) in the query's dtype and, with ``want_
 Shapes are static (no host read): the step replays in a CUDA graph.
 
 This is the torch reference; ``triton_lut_attention`` holds the five-launch kernel of the same signature.
+``lut_attention_at_centres`` takes the members by their centres' positions, as a decode step holds them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from kvbench.kernels.attention_stats import pending_step
 from kvbench.kernels.dispatch import use_triton
+from kvbench.kernels.lut_expand import centre_slots
 
 NORM_EPS = 1e-12  # F.normalize's: a zero centre key gives its members zero keys, as the view's unit_keys does
 
@@ -65,3 +67,22 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
         return out, None
     step = probs.mean(2)
     return out, pending_step(step) if defer_step else step
+
+
+def lut_attention_at_centres(query: Tensor, keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
+                             centre: Tensor, member_norm: Tensor, position_limit: int | None, scaling: float,
+                             want_step: bool = False, defer_step: bool = False,
+                             ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
+    """``lut_attention`` with the members given by their centres' positions ``centre`` (B, H, E) long (-1: unused),
+    their slots found as ``lut_expand.centre_slots`` finds them (``positions`` (B, H, T) the stored slots',
+    ``position_limit`` its bound or None): what a decode step holds (``kv.CentreMembers``). Given the bound, the
+    Triton kernel finds them inside its own launches (``triton_lut_attention.lut_attention_at_centres``); the same
+    slots, so the same output and step attention as ``centre_slots`` then ``lut_attention``."""
+    if position_limit is not None and use_triton("lut_attention", query):
+        from kvbench.kernels import triton_lut_attention
+
+        return triton_lut_attention.lut_attention_at_centres(query, keys, values, positions, lengths, centre,
+                                                             member_norm, position_limit, scaling, want_step,
+                                                             defer_step)
+    slot, live = centre_slots(positions, lengths, centre, position_limit)
+    return lut_attention(query, keys, values, lengths, slot, member_norm, live, scaling, want_step, defer_step)

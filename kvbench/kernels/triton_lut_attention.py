@@ -3,9 +3,11 @@ in five launches, reading K once, V once and the table once, every launch split 
 (a program per (split, b, kv head), every query head of the GQA group a row of its tiles, as ``triton_decode``):
 
 1. ``_slot_logits``, over key splits: the stored logits l_c (B, H_q, T) float32 (-inf past the row's length),
-   the stored keys' norms (B, H, T), each split's largest logit, and zeros in launch 3's buffer;
+   the stored keys' norms (B, H, T), each split's largest logit, and zeros in launch 3's buffer
+   (``lut_attention_at_centres``: also every real slot at its position in ``centre_slots``' position map);
 2. ``_member_logits``, over table splits: the members' logits rho_j l_c, gathered from launch 1's buffers
-   (-inf where not live), and each split's largest;
+   (-inf where not live), and each split's largest (``lut_attention_at_centres``: each member's centre slot and
+   liveness read through the map first, the slot kept for launch 3);
 3. ``_member_weights``, over table splits: M, the largest logit of the row (from both launches' maxima), and
    each member's weight exp(rho_j l_c - M) added onto its centre's slot (float32 atomic adds into the
    (B, H_q, T) buffer launch 1 zeroed, in any order, as ``fold_entries`` does);
@@ -37,6 +39,7 @@ from torch import Tensor
 from kvbench.kernels.attention_stats import pending_step
 from kvbench.kernels.lut_attention import NORM_EPS
 from kvbench.kernels.triton_decode import INTERPRETED, split_plan
+from kvbench.kernels.triton_lut_expand import map_positions, mapped_centres
 
 # (slots a tile, warps, stages) of launches 1 and 4: on an H200 at 32 rows x 8 heads x 3,277 slots, launch 4 took
 # 94 us with 128-slot tiles against 185 with ``triton_decode.DECODE_TILES``' 64 (launch 1: 110 against 108)
@@ -61,11 +64,11 @@ def _row_max(slot_max_ptr, member_max_ptr, q_rows, head_ok, n_splits, n_member_s
 
 @triton.jit
 def _slot_logits(
-    q_ptr, k_ptr, len_ptr, logit_ptr, norm_ptr, max_ptr, mweight_ptr,
-    sqb, sqh, sqd, skb, skh, skt, skd,
-    H, T, D, split_size, n_splits, scaling,
+    q_ptr, k_ptr, len_ptr, logit_ptr, norm_ptr, max_ptr, mweight_ptr, pos_ptr, map_ptr,
+    sqb, sqh, sqd, skb, skh, skt, skd, spb, sph, spt,
+    H, T, D, split_size, n_splits, scaling, LIMIT,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, LOOKUP: tl.constexpr,
 ):
     split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = row // H, row % H
@@ -97,22 +100,30 @@ def _slot_logits(
         top = tl.maximum(top, tl.max(s, 1))
         kf = k.to(tl.float32)
         tl.store(norm_ptr + row * T + cols, tl.sqrt(tl.sum(kf * kf, axis=1)), mask=inside)
+        if LOOKUP:  # the position map launch 2 finds the members' centres in
+            map_positions(map_ptr, row, cols, real & inside,
+                          tl.load(pos_ptr + b * spb + h * sph + cols * spt, mask=real & inside, other=0), LIMIT)
     tl.store(max_ptr + (row * GROUP + heads) * n_splits + split, top, mask=head_ok)
 
 
 @triton.jit
 def _member_logits(
-    logit_ptr, norm_ptr, slot_ptr, mnorm_ptr, live_ptr, mlogit_ptr, mmax_ptr,
-    T, E, n_member_splits, norm_eps,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    logit_ptr, norm_ptr, slot_ptr, mnorm_ptr, live_ptr, mlogit_ptr, mmax_ptr, map_ptr, pos_ptr, centre_ptr, len_ptr,
+    spb, sph, spt, scb, sch, sce, H, T, E, n_member_splits, norm_eps, LIMIT,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LOOKUP: tl.constexpr,
 ):
     split, row = tl.program_id(0), tl.program_id(1).to(tl.int64)  # row: (b, kv head)
     heads = tl.arange(0, BLOCK_M)
     head_ok = heads < GROUP
     q_rows = row * GROUP + heads  # (b, query head): H_q = GROUP * H, query head // GROUP = kv head
     j = split * BLOCK_E + tl.arange(0, BLOCK_E)
-    live = tl.load(live_ptr + row * E + j, mask=j < E, other=0) != 0
-    slot = tl.load(slot_ptr + row * E + j, mask=live, other=0)
+    if LOOKUP:  # each member's centre slot through launch 1's map, kept for launch 3
+        slot, live = mapped_centres(map_ptr, pos_ptr, centre_ptr, row, row // H, row % H, j, j < E,
+                                    tl.load(len_ptr + row), T, LIMIT, spb, sph, spt, scb, sch, sce)
+        tl.store(slot_ptr + row * E + j, slot, mask=j < E)
+    else:
+        live = tl.load(live_ptr + row * E + j, mask=j < E, other=0) != 0
+        slot = tl.load(slot_ptr + row * E + j, mask=live, other=0)
     rho = tl.load(mnorm_ptr + row * E + j, mask=live, other=0.0) / \
         tl.maximum(tl.load(norm_ptr + row * T + slot, mask=live, other=1.0), norm_eps)
     both = head_ok[:, None] & live[None, :]
@@ -225,6 +236,34 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
                   member_norm: Tensor, live: Tensor, scaling: float, want_step: bool = False, defer_step: bool = False,
                   ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
     """Triton ``lut_attention.lut_attention``; deferred, the step attention's launch is the callable's."""
+    return _attend(query, keys, values, lengths, member_slot.contiguous(), member_norm, scaling, want_step, defer_step,
+                   live=live.contiguous().view(torch.int8))  # bool read as bytes: a view, no copy
+
+
+def lut_attention_at_centres(query: Tensor, keys: Tensor, values: Tensor, positions: Tensor, lengths: Tensor,
+                             centre: Tensor, member_norm: Tensor, position_limit: int, scaling: float,
+                             want_step: bool = False, defer_step: bool = False,
+                             ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
+    """Triton ``lut_attention.lut_attention_at_centres``: ``centre_slots``' position map (``triton_lut_expand``)
+    in launches 1 and 2, not two launches of its own before them. Launch 1 writes every real slot at its position
+    in a (B, H, position_limit) int32 map (``torch.empty``: a stale entry fails the check, as there), launch 2 reads
+    every member's centre there, checks it and keeps the slot for launch 3; launches 2-5 then compute what they
+    compute from ``centre_slots``' slots. On an H200, the call as a decode step makes it (graph replay, one process):
+    51.9 -> 46.9 us at 1 x 8 x 6,555 slots, 82.3 -> 79.2 at 1 x 8 x 13,108; EMS's 32k TPOT / full 1.12 -> 1.09
+    (``results/gpu/2026-11-30/logs/s20_call6_*``)."""
+    B, H, T = positions.shape
+    lookup = (positions, centre, torch.empty(B, H, position_limit, dtype=torch.int32, device=positions.device))
+    return _attend(query, keys, values, lengths, torch.empty(B, H, centre.shape[-1], dtype=torch.long,
+                                                             device=positions.device),
+                   member_norm, scaling, want_step, defer_step, lookup=lookup)
+
+
+def _attend(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member_slot: Tensor, member_norm: Tensor,
+            scaling: float, want_step: bool, defer_step: bool, live: Tensor | None = None,
+            lookup: tuple[Tensor, Tensor, Tensor] | None = None,
+            ) -> tuple[Tensor, Tensor | Callable[..., Tensor] | None]:
+    """The five launches, the members given by ``member_slot`` and ``live`` (int8), or by ``lookup`` = (positions,
+    centre, position map), launch 2 then writing the slots it finds into ``member_slot``."""
     B, Hq, _, D = query.shape
     H, T, DV, E = keys.shape[1], keys.shape[2], values.shape[-1], member_slot.shape[-1]
     group = Hq // H
@@ -238,20 +277,26 @@ def lut_attention(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, 
     member_logits, member_weights = torch.empty(B, Hq, E, **f32), torch.empty(B, Hq, T, **f32)  # zeroed by launch 1
     top = torch.empty(B, Hq, **f32)
     acc, sums = torch.empty(B, n_splits, Hq, block_dv, **f32), torch.empty(B, n_splits, Hq, **f32)
-    lengths, member_slot = lengths.contiguous(), member_slot.contiguous()
-    live = live.contiguous().view(torch.int8)  # bool read as bytes: a view, no copy
+    lengths = lengths.contiguous()
+    if lookup is None:  # no map: the map's arguments are placeholders its branches never read
+        positions, centre, position_map = lengths.view(B, H, 1), lengths.view(B, H, 1), lengths
+    else:  # live: a placeholder the lookup branch of launch 2 never reads
+        positions, centre, position_map = lookup
+        live = position_map
+    limit = position_map.shape[-1]
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     members = dict(GROUP=group, BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK)
     maxima = dict(BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_SE=triton.next_power_of_2(n_member_splits))
     _slot_logits[(n_splits, B * H)](
-        query, keys, lengths, logits, norms, slot_max, member_weights, query.stride(0), query.stride(1),
-        query.stride(3), *keys.stride(), H, T, D, split_size, n_splits, scaling,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=D == block_d, UPCAST=INTERPRETED,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+        query, keys, lengths, logits, norms, slot_max, member_weights, positions, position_map, query.stride(0),
+        query.stride(1), query.stride(3), *keys.stride(), *positions.stride(), H, T, D, split_size, n_splits, scaling,
+        limit, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=D == block_d,
+        UPCAST=INTERPRETED, PRECISION=precision, LOOKUP=lookup is not None, num_warps=warps, num_stages=stages,
     )
     _member_logits[(n_member_splits, B * H)](
-        logits, norms, member_slot, member_norm.float().contiguous(), live,
-        member_logits, member_max, T, E, n_member_splits, NORM_EPS, **members,
+        logits, norms, member_slot, member_norm.float().contiguous(), live, member_logits, member_max, position_map,
+        positions, centre, lengths, *positions.stride(), *centre.stride(), H, T, E, n_member_splits, NORM_EPS, limit,
+        LOOKUP=lookup is not None, **members,
     )
     _member_weights[(n_member_splits, B * H)](
         member_slot, member_logits, slot_max, member_max, top, member_weights, T, E, n_splits, n_member_splits,

@@ -177,14 +177,32 @@ def _centre_lookup(sorted_ptr, order_ptr, centre_ptr, slot_ptr, live_ptr, H, T, 
 
 
 @triton.jit
+def map_positions(map_ptr, row, s, real, position, LIMIT):
+    """map[row, position of slot s] = s for the real slots ``s`` of a tile."""
+    tl.store(map_ptr + row * LIMIT + position, s.to(tl.int32), mask=real & (position >= 0) & (position < LIMIT))
+
+
+@triton.jit
+def mapped_centres(map_ptr, pos_ptr, centre_ptr, row, b, h, j, inside, length, T, LIMIT, spb, sph, spt,
+                   scb, sch, sce):
+    """(slot, live) of the table entries ``j`` of a row: the slot the map names for each entry's centre, where that
+    slot is real and holds the centre's position (0 and False elsewhere)."""
+    centre = tl.load(centre_ptr + b * scb + h * sch + j * sce, mask=inside, other=-1)
+    mapped = inside & (centre >= 0) & (centre < LIMIT)
+    slot = tl.load(map_ptr + row * LIMIT + centre, mask=mapped, other=-1).to(tl.int64)
+    real = mapped & (slot >= 0) & (slot < tl.minimum(length, T))
+    held = tl.load(pos_ptr + b * spb + h * sph + slot * spt, mask=real, other=-1)
+    live = real & (held == centre)
+    return tl.where(live, slot, 0), live
+
+
+@triton.jit
 def _position_map(pos_ptr, len_ptr, map_ptr, H, T, LIMIT, spb, sph, spt, slb, slh, BLOCK: tl.constexpr):
-    """map[row, position of slot s] = s for every real slot s of the row."""
     row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b, h = row // H, row % H
     s = tile * BLOCK + tl.arange(0, BLOCK)
     real = s < tl.minimum(tl.load(len_ptr + b * slb + h * slh), T)
-    position = tl.load(pos_ptr + b * spb + h * sph + s * spt, mask=real, other=0)
-    tl.store(map_ptr + row * LIMIT + position, s.to(tl.int32), mask=real & (position >= 0) & (position < LIMIT))
+    map_positions(map_ptr, row, s, real, tl.load(pos_ptr + b * spb + h * sph + s * spt, mask=real, other=0), LIMIT)
 
 
 @triton.jit
@@ -194,13 +212,10 @@ def _map_lookup(map_ptr, pos_ptr, len_ptr, centre_ptr, slot_ptr, live_ptr, H, T,
     b, h = row // H, row % H
     j = tile * BLOCK + tl.arange(0, BLOCK)
     inside = j < E
-    centre = tl.load(centre_ptr + b * scb + h * sch + j * sce, mask=inside, other=-1)
-    mapped = inside & (centre >= 0) & (centre < LIMIT)
-    slot = tl.load(map_ptr + row * LIMIT + centre, mask=mapped, other=-1).to(tl.int64)
-    real = mapped & (slot >= 0) & (slot < tl.minimum(tl.load(len_ptr + b * slb + h * slh), T))
-    held = tl.load(pos_ptr + b * spb + h * sph + slot * spt, mask=real, other=-1)
-    live = real & (held == centre)
-    tl.store(slot_ptr + row * E + j, tl.where(live, slot, 0), mask=inside)
+    length = tl.load(len_ptr + b * slb + h * slh)
+    slot, live = mapped_centres(map_ptr, pos_ptr, centre_ptr, row, b, h, j, inside, length, T, LIMIT, spb, sph, spt,
+                                scb, sch, sce)
+    tl.store(slot_ptr + row * E + j, slot, mask=inside)
     tl.store(live_ptr + row * E + j, live, mask=inside)
 
 

@@ -48,7 +48,7 @@ does not say; so members keep their norms exactly).
   ``CentreMembers``); passes of several queries, and "w. pos", read the view (``kernels.lut_expand``). The
   members' centre slots are found by position at every pass (``kernels.lut_expand.centre_slots``: through a map
   from position to slot where the pass knows a bound on the positions, as every decode step does, else a sort of
-  the stored positions).
+  the stored positions; a decode step's attention kernel writes and reads that map in its own launches).
 - ``bias`` [I], the earlier stand-in: each entry stores the score-weighted MEAN of its members' expanded keys,
     key_c = sum_j w_j * ||k_j|| * RoPE_{p_j}(k_hat_c),
   with p_j = pos_j (positions="with") or p_j = pos_c (positions="without": key_c = mean norm * RoPE_{p_c}(k_hat_c)),
@@ -171,9 +171,9 @@ class EMS(Method):
         if LUT_POSITION not in kv.tables or kv.tables[LUT_POSITION].shape[-1] == 0:
             return None
         position, centre, norm = kv.tables[LUT_POSITION], kv.tables[LUT_CENTRE], kv.tables[LUT_NORM]
-        slot, live = centre_slots(kv.positions, kv.lengths, centre, position_limit)
 
         def view() -> tuple[LayerKV, Tensor]:
+            slot, live = centre_slots(kv.positions, kv.lengths, centre, position_limit)
             member_keys = None  # "w.o. pos": the kernel reads each member's centre key itself
             if self.positions == "with":
                 centre_keys = kv.keys.gather(2, slot.unsqueeze(-1).expand(-1, -1, -1, kv.keys.shape[-1]))
@@ -182,7 +182,7 @@ class EMS(Method):
                                                                  live, position, norm, member_keys)
             return LayerKV(keys=keys, values=values, positions=positions, lengths=lengths), slots
 
-        return Expansion(view, CentreMembers(slot, norm, live) if self.positions == "without" else None)
+        return Expansion(view, CentreMembers(centre, norm, position_limit) if self.positions == "without" else None)
 
     def compress(self, layer: int, kv: LayerKV, stats: AttentionStats, n_keep: Tensor, phase: str,
                  host: HostSizes | None = None) -> LayerKV:

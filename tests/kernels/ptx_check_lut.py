@@ -32,6 +32,8 @@ def main() -> None:
     for group in (1, 4):  # the members' attention, with and without its step attention
         query = torch.randn(B, H * group, 1, D).bfloat16()
         triton_lut_attention.lut_attention(query, keys, values, lengths, slot, table[1], live, 0.1, group == 4)
+        triton_lut_attention.lut_attention_at_centres(query, keys, values, positions, lengths, table[0], table[1], T,
+                                                      0.1, group == 4)
     print(f"{len(ptx_check.compiled)} kernel variants compiled for sm_90: {sorted(set(ptx_check.compiled))}")
 
 

@@ -1,5 +1,5 @@
 """EMS "w.o. pos" decode steps attend to the look-up table's members from the stored slots
-(``kernels.lut_attention``), not through the expanded view: the same logits and caches as the view, with live
+(``kernels.lut_attention.lut_attention_at_centres``), not through the expanded view: the same logits and caches as the view, with live
 members in the table (tau = 0 merges every TBM token, a window of 4 leaves centres; the golden "ems" case merges none), with either
 kernel backend."""
 
@@ -39,13 +39,13 @@ def decode(model, method, steps: int = 12) -> tuple[list, list]:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_members_decode_as_the_view(tiny_model, monkeypatch, backend):
     live = []
-    kernel = attention.lut_attention
+    kernel = attention.lut_attention_at_centres
 
     def counting(*args, **kwargs):
-        live.append(int(args[6].sum()))
+        live.append(int((args[5] >= 0).sum()))  # the table's entries in use
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "lut_attention", counting)
+    monkeypatch.setattr(attention, "lut_attention_at_centres", counting)
     with use_backend(backend):
         logits, layers = decode(tiny_model, EMS(tau=0.0, window=4))
         assert live and max(live) > 0  # the members' path ran, with members in the table
@@ -60,25 +60,25 @@ def test_members_decode_as_the_view(tiny_model, monkeypatch, backend):
 
 
 def test_members_found_through_the_position_map_as_by_the_sort(tiny_model, monkeypatch):
-    """The Triton path finds the members' centre slots through a map as wide as the pass's position limit, or
-    without a limit by a sort: the same integers, so the same logits and caches (to the bit on a CPU; on CUDA the
-    members' weights are float atomic adds, so two runs differ in the last bits). The limit here is a multiple
-    of 16 positions (it changes while the rows decode); one short of a stored centre's position would drop that
-    centre's members."""
+    """The Triton path finds the members' centre slots through a map as wide as the pass's position limit (in the
+    attention's own launches), or without a limit by a sort: the same integers, so the same logits and caches (to
+    the bit on a CPU; on CUDA the members' weights are float atomic adds, so two runs differ in the last bits). The
+    limit here is a multiple of 16 positions (it changes while the rows decode); one short of a stored centre's
+    position would drop that centre's members."""
     from kvbench import engine as engine_module
-    from kvbench.kernels import triton_lut_expand
+    from kvbench.kernels import triton_lut_attention
 
     monkeypatch.setattr(engine_module, "POSITION_LIMIT_STEP", 16)
-    through_map = triton_lut_expand.slots_through_map
+    at_centres = triton_lut_attention.lut_attention_at_centres
     widths = []
 
-    def checked(positions, lengths, centre, position_map):  # the bound the map relies on, at every pass
+    def checked(query, keys, values, positions, lengths, centre, norm, position_limit, *args):  # at every step
         real = torch.arange(positions.shape[-1]) < lengths.unsqueeze(-1)
-        assert int(positions[real].max()) < position_map.shape[-1]
-        widths.append(position_map.shape[-1])
-        return through_map(positions, lengths, centre, position_map)
+        assert int(positions[real].max()) < position_limit  # the bound the map relies on
+        widths.append(position_limit)
+        return at_centres(query, keys, values, positions, lengths, centre, norm, position_limit, *args)
 
-    monkeypatch.setattr(triton_lut_expand, "slots_through_map", checked)
+    monkeypatch.setattr(triton_lut_attention, "lut_attention_at_centres", checked)
     runs = {}
     with use_backend("triton"):
         runs["map"] = decode(tiny_model, EMS(tau=0.0, window=4))

@@ -1,7 +1,8 @@
 """EMS's one-query attention over stored slots and LUT members (``kernels.lut_attention``): the Triton kernel
 against the torch reference on odd shapes (one slot, widths no multiple of the blocks, GQA, no table, no live
 member, every member on one centre, fp32/bf16), and the reference against the expanded view it replaces
-(``expand_lut``, ``decode_attention``, ``fold_entries``)."""
+(``expand_lut``, ``decode_attention``, ``fold_entries``); and the members given by their centres' positions
+(``lut_attention_at_centres``) against ``centre_slots`` then ``lut_attention``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kernels.dispatch import use_backend
-from kvbench.kernels.lut_attention import lut_attention
-from kvbench.kernels.lut_expand import expand_lut, fold_entries
+from kvbench.kernels.lut_attention import lut_attention, lut_attention_at_centres
+from kvbench.kernels.lut_expand import centre_slots, expand_lut, fold_entries
+from tests.kernels.test_lut_expand import CENTRE_SHAPES, centre_case
 
 SHAPES = [  # B, H, group, T, E, D, D_v
     (1, 1, 1, 1, 1, 4, 4),
@@ -149,3 +151,35 @@ def test_lut_attention_equals_the_expanded_view(shape, layout, dtype):
     else:
         torch.testing.assert_close(out, view_out, atol=1e-2, rtol=2 ** -7)
         torch.testing.assert_close(step, view_step, atol=1e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", CENTRE_SHAPES, ids=str)
+@pytest.mark.parametrize("bounded", [False, True], ids=["sorted", "position_map"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lut_attention_at_centres_is_centre_slots_then_lut_attention(shape, bounded, backend):
+    """Members given by their centres' positions (stored, stored only past the row's length, never stored, or
+    unused; stored positions in any slot order, read through a strided view, rows of length 0 included) attend as
+    ``centre_slots`` then ``lut_attention`` make them, with and without a bound. With the bound the Triton kernel
+    finds the slots inside its own launches, through a map an earlier call left stale. Bit for bit, except that on
+    a GPU the member weights' atomic adds sum in any order (``test_lut_attention_deferred_step_is_the_step``)."""
+    B, H, T, E = shape
+    positions, lengths, centre = centre_case(B, H, T, E)
+    g = torch.Generator().manual_seed(3)
+    group, D = 2, 16
+    query = torch.randn(B, H * group, 1, D, generator=g)
+    keys, values = torch.randn(B, H, T, D, generator=g) * 2, torch.randn(B, H, T, D, generator=g)
+    norm = torch.rand(B, H, E, generator=g) * 3 * D ** 0.5
+    limit = int(positions.max()) + 1 if bounded else None
+    with use_backend(backend):
+        slot, live = centre_slots(positions, lengths, centre, limit)
+        out0, step0 = lut_attention(query, keys, values, lengths, slot, norm, live, D ** -0.5, want_step=True)
+        for _ in range(2):  # the second call's map holds the first call's entries
+            out1, step1 = lut_attention_at_centres(query, keys, values, positions, lengths, centre, norm, limit,
+                                                   D ** -0.5, want_step=True)
+    if query.is_cuda:
+        torch.testing.assert_close(out1, out0, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(step1, step0, atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(out1, out0) and torch.equal(step1, step0)
+    if E > 1:
+        assert bool(live.any()) and not bool(live.all())  # members whose centre is stored, and others
