@@ -251,7 +251,7 @@ def lut_attention_at_centres(query: Tensor, keys: Tensor, values: Tensor, positi
     compute from ``centre_slots``' slots. On an H200, the call as a decode step makes it (graph replay, one process):
     51.9 -> 46.9 us at 1 x 8 x 6,555 slots, 82.3 -> 79.2 at 1 x 8 x 13,108; EMS's 32k TPOT / full 1.12 -> 1.09
     (``results/gpu/2026-11-30/logs/s20_call6_*``)."""
-    B, H, T = positions.shape
+    B, H = positions.shape[:2]
     lookup = (positions, centre, torch.empty(B, H, position_limit, dtype=torch.int32, device=positions.device))
     return _attend(query, keys, values, lengths, torch.empty(B, H, centre.shape[-1], dtype=torch.long,
                                                              device=positions.device),

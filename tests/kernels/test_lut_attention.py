@@ -160,8 +160,10 @@ def test_lut_attention_at_centres_is_centre_slots_then_lut_attention(shape, boun
     """Members given by their centres' positions (stored, stored only past the row's length, never stored, or
     unused; stored positions in any slot order, read through a strided view, rows of length 0 included) attend as
     ``centre_slots`` then ``lut_attention`` make them, with and without a bound. With the bound the Triton kernel
-    finds the slots inside its own launches, through a map an earlier call left stale. Bit for bit, except that on
-    a GPU the member weights' atomic adds sum in any order (``test_lut_attention_deferred_step_is_the_step``)."""
+    finds the slots inside its own launches, through a map in uncleared memory (the lookup it shares with
+    ``slots_through_map``, ``triton_lut_expand.mapped_centres``, is checked against maps filled with stale slots in
+    ``test_position_map_needs_no_clearing``). Bit for bit, except that on a GPU the member weights' atomic adds sum
+    in any order (``test_lut_attention_deferred_step_is_the_step``)."""
     B, H, T, E = shape
     positions, lengths, centre = centre_case(B, H, T, E)
     g = torch.Generator().manual_seed(3)
@@ -173,7 +175,7 @@ def test_lut_attention_at_centres_is_centre_slots_then_lut_attention(shape, boun
     with use_backend(backend):
         slot, live = centre_slots(positions, lengths, centre, limit)
         out0, step0 = lut_attention(query, keys, values, lengths, slot, norm, live, D ** -0.5, want_step=True)
-        for _ in range(2):  # the second call's map holds the first call's entries
+        for _ in range(2):  # the second call's map is likely the memory the first call's map was freed to
             out1, step1 = lut_attention_at_centres(query, keys, values, positions, lengths, centre, norm, limit,
                                                    D ** -0.5, want_step=True)
     if query.is_cuda:
