@@ -22,7 +22,7 @@ bool. Returns the output (B, H_q, 1, D_v) in the query's dtype and, with ``want_
 (``AttentionStats.pending_step``).
 Shapes are static (no host read): the step replays in a CUDA graph.
 
-This is the torch reference; ``triton_lut_attention`` holds the five-launch kernel of the same signature.
+This is the torch reference; ``triton_lut_attention`` holds the four-launch kernel of the same signature.
 ``lut_attention_at_centres`` takes the members by their centres' positions, as a decode step holds them.
 """
 

@@ -25,8 +25,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8",
-            torch.bool: "*i1"}
+POINTERS = {torch.float64: "*fp64", torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+            torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
 compiled: list[str] = []
 ttgir: dict[str, str] = {}  # each kernel's last compilation, in Triton's GPU dialect
 

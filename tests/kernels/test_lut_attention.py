@@ -72,10 +72,11 @@ def test_lut_attention_triton_matches_torch(shape, layout, dtype):
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
 def test_lut_attention_steep_logits_match_torch(sign):
     """Logits in the hundreds, members up to 1.7x their centre's norm: a member's logit is far above (or, on
-    negative logits, below) its centre's, by more than float32's exp can take. Any weight taken against
-    something below the row's largest logit, members included, overflows (a kernel that weighs members against
-    their centre's logit, or against the largest member norm on a negative logit, fails here); nothing may
-    overflow or vanish, and the output and step match the reference's."""
+    negative logits, below) its centre's, by up to 236 nats, more than float32's exp can take. A float32 weight
+    taken against something below the row's largest logit, members included, overflows (a kernel that sums
+    members' weights against their centre's logit in float32, or against the largest member norm on a negative
+    logit, fails here; the Triton kernel sums them in float64, scaled); nothing may overflow or vanish, and the
+    output and step match the reference's."""
     query, keys, values, lengths, slot, norm, live = layer_case(*SHAPES[2], torch.float32)
     query = query * 40 * sign
     (o0, s0), (o1, s1) = on_both_backends((query, keys, values, lengths, slot, norm, live), 64 ** -0.5)

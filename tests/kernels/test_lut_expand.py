@@ -82,7 +82,7 @@ def test_fold_entries_triton_matches_torch(shape, group):
 def test_lut_kernels_compile_for_the_gpu():
     """Every variant of the expansion, fold, centre-slot and members' attention kernels compiles to sm_90 in a
     process without TRITON_INTERPRET (``ptx_check_lut.py``)."""
-    assert "29 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
+    assert "25 kernel variants compiled" in compile_for_sm90("ptx_check_lut.py")
 
 
 def centre_case(B, H, T, E):
