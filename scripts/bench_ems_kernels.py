@@ -4,7 +4,8 @@ One layer of ``--rows`` rows x ``--kv-heads`` heads with ``--slots`` stored slot
 step's new token), a look-up table of ``(gamma - 1)`` x budget entries ``--table-fill`` full (``--hot-share`` of
 its members on one centre, as an attention sink that gathers merges would have them), bfloat16 keys
 that ``ems_step`` un-RoPEs in registers from a RoPE table (as the engine calls it: ``raw_keys=None``), and
-the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head, and D2O's
+the one-query ``lut_attention`` over the same storage with ``--group`` query heads per KV head (also as a decode
+step calls it: ``lut_attention_at_centres``, the members by their centres' positions, the step deferred), and D2O's
 ``d2o_step`` (victim, best match over every key, merge); D2O's observation and step as the engine's in-place
 path runs them (the step attention's launch then ``d2o_step``, against ``d2o_step`` making the step attention in
 its first launch); and CaM's ``cam_step`` (H2O's victim, the next ``merge_tokens`` positions, the draw and the
@@ -32,7 +33,7 @@ from kvbench.kernels import (triton_cam_step, triton_d2o_step, triton_decode, tr
 from kvbench.kernels.cam_step import cam_step
 from kvbench.kernels.d2o_step import d2o_step
 from kvbench.kernels.ems_step import ems_step
-from kvbench.kernels.lut_attention import lut_attention
+from kvbench.kernels.lut_attention import lut_attention, lut_attention_at_centres
 
 STEPS = 8
 MODULES = {"ems": triton_ems_step, "d2o": triton_d2o_step, "lut": triton_lut_attention, "decode": triton_decode,
@@ -177,6 +178,12 @@ def main() -> None:
                 lut_attention(s["query"], s["keys"], s["values"], s["lengths"], s["member_slot"], s["lut"][2],
                               s["live"], scaling, want_step=True)
             print("\n".join(timed(attend, "lut_attention")), flush=True)
+
+            def attend_at_centres():  # as a decode step calls it: the members by their centres' positions
+                lut_attention_at_centres(s["query"], s["keys"], s["values"], s["positions"], s["lengths"],
+                                         s["lut"][1], s["lut"][2], args.context, scaling, want_step=True,
+                                         defer_step=True)
+            print("\n".join(timed(attend_at_centres, "lut_attention_at_centres, step deferred")), flush=True)
         if args.only in (None, "d2o_step"):
             attention, threshold = s["state"][0], s["state"][1].zero_()  # tau 0: most steps merge
 

@@ -53,7 +53,7 @@ from kvbench.kernels.triton_lut_expand import map_positions, mapped_centres
 # (slots a tile, warps, stages) of launches 1 and 3: on an H200 at 32 rows x 8 heads x 3,277 slots, the values'
 # launch took 94 us with 128-slot tiles against 185 with ``triton_decode.DECODE_TILES``' 64 (launch 1: 110 against 108)
 LUT_TILES = (128, 4, 3)
-MEMBER_BLOCK = 1024  # table entries per program of launch 2
+MEMBER_BLOCK, MEMBER_WARPS = 1024, 4  # table entries and warps per program of launch 2
 SCALE_BITS = tl.constexpr(896)  # the member sums hold sum_j exp(t_j) * 2^-SCALE_BITS (see Range)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -272,7 +272,7 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member
     _member_sums[(max(1, triton.cdiv(E, MEMBER_BLOCK)), B * H)](
         logits, norms, member_slot, member_norm.float().contiguous(), live, member_sums, position_map, positions,
         centre, lengths, *positions.stride(), *centre.stride(), H, T, E, NORM_EPS, limit, GROUP=group,
-        BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK, LOOKUP=lookup is not None,
+        BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK, LOOKUP=lookup is not None, num_warps=MEMBER_WARPS,
     )
     _cluster_values[(n_splits, B * H)](
         values, logits, member_sums, lengths, m, l, acc, *values.stride(), H, T, DV, split_size, n_splits,
