@@ -7,7 +7,8 @@ process, graph replay (``scripts.bench_ems_kernels.timed``), at the engine's sha
     python3 results/gpu/2026-11-30/logs/s21_lut_ab.py --rows 1 --slots 6555 --context 32768
 
 ``--variants v2`` also times ``ab/v2_triton_lut_attention.py``: the working tree's module with ``s21_lut_v2.patch``
-applied (call 3's launch 3, an online softmax), with ``triton_decode``'s online-softmax tile copied in.
+applied (call 3's launch 3, an online softmax), with ``triton_decode``'s online-softmax tile copied in;
+``s21_next_call.sh`` makes ``ab/`` from the committed module and ``s21_lut_interleaved.patch``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=6555)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--table-fill", type=float, default=0.9)
+    parser.add_argument("--base-label", default="committed (five launches)", help="ab/old_...'s label")
+    parser.add_argument("--new-label", default="new (four launches)", help="the working tree's label")
     parser.add_argument("--variants", default="", help="also time ab/NAME_triton_lut_attention.py, e.g. v1,v2")
     parser.add_argument("--tiles", default="", help="more LUT_TILES of the new path, e.g. 64:4:3,128:8:3")
     args = parser.parse_args()
@@ -51,8 +54,8 @@ def main() -> None:
     positions = positions.to(device)
     norm = (torch.rand(B, H, E, generator=g) * 20).to(device)
     scaling = D ** -0.5
-    paths = {"committed (five launches)": old_module().lut_attention_at_centres,
-             "new (four launches)": triton_lut_attention.lut_attention_at_centres}
+    paths = {args.base_label: old_module().lut_attention_at_centres,
+             args.new_label: triton_lut_attention.lut_attention_at_centres}
     for name in filter(None, args.variants.split(",")):  # v1: call 2's four launches; v2: call 3's
         paths[name] = old_module(name).lut_attention_at_centres
     results = {}
