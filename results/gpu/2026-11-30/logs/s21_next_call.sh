@@ -1,8 +1,8 @@
 # The next session's first GPU call (carry [".whl"]), from the repository root at 61b2113 or later with
 # kvbench/kernels/triton_lut_attention.py unchanged since: EMS's look-up-table attention with its logits and member
 # sums laid out (slot, query head) (s21_lut_interleaved.patch: one sector a member for its group's gathers and
-# atomic adds, not four) against the committed layout, one process; launch 2's block and warps swept; the 32k grid.
-# About 300 s.
+# atomic adds, not four) against the committed layout, one process; launch 2's block and warps swept; the prompt
+# compress of EMS and D2O at 32k over the best-match kernel's tiles (s21_best_match_tiles.py); the 32k grid. About 400 s.
 s=scripts/gpu_session.sh; bash $s setup >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 L=results/gpu/2026-11-30/logs
 mkdir -p ab && cp kvbench/kernels/triton_lut_attention.py ab/old_triton_lut_attention.py
@@ -15,6 +15,7 @@ for shape in "1 6555 32768" "1 13108 65536"; do set -- $shape
   timeout 90 python3 -m scripts.bench_ems_kernels --only lut_attention --rows $1 --slots $2 --context $3 \
     --set lut.MEMBER_BLOCK=256,512,1024 --set lut.MEMBER_WARPS=4,8
 done 2>&1 | grep -v -i warn | tee $OUT/s22_lut_member_block.txt
+timeout 120 python3 $L/s21_best_match_tiles.py 2>&1 | grep -v -i warn | tee $OUT/s22_best_match_tiles.txt
 timeout 130 python3 scripts/efficiency_grid.py --root /tmp/gpu/eff32 --models llama3.1-8b-shape-random --methods full,ems \
   --repeats 2 --warmup 1 --lengths 32768 --limit-s 150 --deadline-s 110 --new-tokens 64 > $OUT/s22_eff32.log 2>&1
 python3 scripts/efficiency_targets.py --root /tmp/gpu/eff32 --profile gpu --out $OUT/s22_eff32.md > /dev/null 2>&1
