@@ -3,7 +3,8 @@ synthetic Llama-3.1-8B layer, bf16), with ``triton_similarity.BEST_MATCH_TILES``
 warps, stages) at each value in turn, one process. At 32k EMS's redundancy search compares 19,662 to-be-merged slots
 with 6,523 centres a head, and D2O's nearest-kept search 26,214 evicted slots with 6,554 kept: every program re-reads
 all the targets' rows, so wider source tiles read them fewer times. EMS's TTFT is 1.36x the full cache's against
-H2O's 1.23-1.25 (the same column sums): its compress is most of the difference.
+H2O's 1.23-1.25 (the same column sums): the difference is its compress, of which this search (0.53 TFLOP a layer)
+is likely the largest part; ``--profile`` names the kernels.
 
     python3 results/gpu/2026-11-30/logs/s21_best_match_tiles.py
 """
