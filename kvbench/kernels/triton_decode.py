@@ -234,6 +234,17 @@ def split_plan(span: int, rows: int, device: torch.device, block_n: int) -> tupl
     return split_size, triton.cdiv(span, split_size) if span else 1
 
 
+def combine_splits(m: Tensor, l: Tensor, acc: Tensor, out: Tensor, n_splits: int) -> tuple[Tensor, Tensor]:
+    """``_decode_combine`` of split partials laid out (b, query head, split): m and l (B * H_q * n_splits,) float32,
+    base 2, acc (B * H_q * n_splits, BLOCK_DV). Writes the output into ``out`` (B, H_q, 1, D_v) and returns it with
+    each query head's log-sum-exp (B, H_q) float32 (natural log; -inf for a row with no slot, whose output is 0)."""
+    B, Hq, DV = out.shape[0], out.shape[1], out.shape[-1]
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=out.device)
+    _decode_combine[(B * Hq,)](m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
+                               BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=acc.shape[-1])
+    return out, lse
+
+
 def decode_attention(
     query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, positions: Tensor, query_pos: Tensor,
     scaling: float, span: int, want_step: bool = False, key_bias: Tensor | None = None, defer_step: bool = False,
@@ -264,12 +275,7 @@ def decode_attention(
         EVEN_D=D == block_d and DV == block_dv, HAS_BIAS=key_bias is not None, WANT_LOGITS=want_step,
         UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
-    out = query.new_empty(B, Hq, 1, DV)
-    lse = torch.empty(B, Hq, dtype=torch.float32, device=query.device)
-    _decode_combine[(B * Hq,)](
-        m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=block_dv,
-    )
+    out, lse = combine_splits(m, l, acc, query.new_empty(B, Hq, 1, DV), n_splits)
     if not want_step:
         return out, None
     step = PendingStep(logits, lse, group, span)

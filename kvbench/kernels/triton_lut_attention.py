@@ -15,7 +15,7 @@ exp(t_j) onto their slot, and the slots then attend as a one-query split-K atten
 3. ``_cluster_values``, over key splits: z_c and the split's largest, then the split's sum of exp(z - that) and
    of those weights times V (``triton_decode``'s partials), z over launch 1's logits when the step attention is
    wanted;
-4. ``triton_decode._decode_combine``: the output and each query head's log-sum-exp, from which
+4. ``triton_decode.combine_splits``: the output and each query head's log-sum-exp, from which
    ``triton_decode.step_attention`` makes the step attention exp(z - lse) averaged over the group, in one more
    launch that can wait for the caller (``defer_step``): a decode step waits only for the output.
 Range and rounding. u is summed in float64 as sum_j exp(t_j) * 2^-SCALE_BITS (``_scaled_exp``): a member may lie
@@ -47,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.lut_attention import NORM_EPS
-from kvbench.kernels.triton_decode import INTERPRETED, PendingStep, _decode_combine, split_plan
+from kvbench.kernels.triton_decode import INTERPRETED, PendingStep, combine_splits, split_plan
 from kvbench.kernels.triton_lut_expand import map_positions, mapped_centres
 
 # (slots a tile, warps, stages) of launches 1 and 3: on an H200 at 32 rows x 8 heads x 3,277 slots, the values'
@@ -279,10 +279,7 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv, EVEN_D=DV == block_dv,
         WANT_STEP=want_step, UPCAST=INTERPRETED, PRECISION=precision, num_warps=warps, num_stages=stages,
     )
-    out = query.new_empty(B, Hq, 1, DV)
-    lse = torch.empty(B, Hq, **f32)
-    _decode_combine[(B * Hq,)](m, l, acc, out, lse, out.stride(0), out.stride(1), out.stride(3), Hq, DV, n_splits,
-                               BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_DV=block_dv)
+    out, lse = combine_splits(m, l, acc, query.new_empty(B, Hq, 1, DV), n_splits)
     if not want_step:
         return out, None
     step = PendingStep(logits, lse, group, T)
