@@ -1,4 +1,4 @@
-# The next session's first GPU call (carry [".whl"]), from the repository root at 61b2113 or later with
+# The next session's first GPU call (carry [".whl"]), from the repository root at this commit or later with
 # kvbench/kernels/triton_lut_attention.py unchanged since: EMS's look-up-table attention with its logits and member
 # sums laid out (slot, query head) (s21_lut_interleaved.patch: one sector a member for its group's gathers and
 # atomic adds, not four) against the committed layout, one process; launch 2's block and warps swept; the prompt
@@ -9,7 +9,7 @@ mkdir -p ab && cp kvbench/kernels/triton_lut_attention.py ab/old_triton_lut_atte
 patch -s -o ab/interleaved_triton_lut_attention.py kvbench/kernels/triton_lut_attention.py < $L/s21_lut_interleaved.patch
 for shape in "1 6555 32768" "1 13108 65536" "32 3277 16384"; do set -- $shape
   timeout 80 python3 $L/s21_lut_ab.py --rows $1 --slots $2 --context $3 --variants interleaved \
-    --base-label "committed (61b2113)" --new-label "working tree"
+    --base-label "committed" --new-label "working tree"
 done 2>&1 | grep -v -i warn | tee $OUT/s22_lut_interleaved.txt
 for shape in "1 6555 32768" "1 13108 65536"; do set -- $shape
   timeout 90 python3 -m scripts.bench_ems_kernels --only lut_attention --rows $1 --slots $2 --context $3 \
