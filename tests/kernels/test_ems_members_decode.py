@@ -1,7 +1,7 @@
 """EMS "w.o. pos" decode steps attend to the look-up table's members from the stored slots
-(``kernels.lut_attention.lut_attention_at_centres``), not through the expanded view: the same logits and caches as the view, with live
-members in the table (tau = 0 merges every TBM token, a window of 4 leaves centres; the golden "ems" case merges none), with either
-kernel backend."""
+(``kernels.lut_attention.lut_attention_at_centres``), not through the expanded view: the same logits and caches as
+the view, with live members in the table (tau = 0 merges every TBM token, a window of 4 leaves centres; the golden
+"ems" case merges none), with either kernel backend."""
 
 from __future__ import annotations
 
