@@ -4,7 +4,8 @@
 # as wheels in .whl/ (made here by `python scripts/gpu_wheels.py`; carry: [".whl"]):
 #   s=scripts/gpu_session.sh
 #   bash $s setup; bash $s tests [pytest paths] (a call of its own); bash $s kernels-slow; bash $s e2e; bash $s decode --methods A,B ...; bash $s steps; bash $s sweep; bash $s points --methods A,B ...
-#   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s ab OLD_DIR scripts/profile_points.py ARGS; bash $s pack
+#   bash $s grid --models M --methods A,B --lengths 32768 ...; bash $s targets NAME 32768 full,ems 130
+#   bash $s ab OLD_DIR scripts/profile_points.py ARGS; bash $s pack
 # Every step appends to $OUT/session.log; `pack` tars $GPU_WORK (all outputs) into $OUT/gpu.tar.gz.
 # GPU_SITE (default /tmp/site: the installed wheels), GPU_WORK (default /tmp/gpu: outputs) and
 # KVBENCH_KERNEL_TESTS (default cuda) let a machine without a GPU rehearse the steps.
@@ -79,6 +80,14 @@ steps)  # the merging methods' decode step of one layer (Llama-3.1-8B shape: 8 K
   done ;;
 grid)   # scripts/efficiency_grid.py arguments follow (--root defaults to $work/eff)
   python3 scripts/efficiency_grid.py --root $work/eff "$@" 2>&1 | grep -E "GRID|Error" ;;
+targets)  # one efficiency grid at the Llama-3.1-8B shape and its targets table: NAME LENGTH METHODS LIMIT_S (the
+          # grid stops starting runs 20 s before the limit); the grid's log and table at $OUT/NAME.log and .md
+  name=$1 length=$2 methods=$3 limit=$4
+  timeout $limit python3 scripts/efficiency_grid.py --root $work/$name --models llama3.1-8b-shape-random \
+    --methods $methods --repeats 2 --warmup 1 --lengths $length --limit-s 150 --deadline-s $((limit - 20)) \
+    --new-tokens 64 > $OUT/$name.log 2>&1
+  python3 scripts/efficiency_targets.py --root $work/$name --profile gpu --out $OUT/$name.md > /dev/null 2>&1
+  grep -E "TPOT|TTFT" $OUT/$name.md ;;
 points)  # the kernels of a fused sweep's replayed decode step (scripts/profile_points.py arguments follow)
   timeout 420 python3 -m scripts.profile_points "$@" 2>&1 | grep -vE "^(Loading|USDT)" | tee $work/points.md ;;
 ab)     # one script run with an old copy of kvbench, then with this checkout, each a process of its own. OLD_DIR (the

@@ -16,7 +16,4 @@ for shape in "1 6555 32768" "1 13108 65536"; do set -- $shape
     --set lut.MEMBER_BLOCK=256,512,1024 --set lut.MEMBER_WARPS=4,8
 done 2>&1 | grep -v -i warn | tee $OUT/s22_lut_member_block.txt
 timeout 120 python3 $L/s21_best_match_tiles.py 2>&1 | grep -v -i warn | tee $OUT/s22_best_match_tiles.txt
-timeout 130 python3 scripts/efficiency_grid.py --root /tmp/gpu/eff32 --models llama3.1-8b-shape-random --methods full,ems \
-  --repeats 2 --warmup 1 --lengths 32768 --limit-s 150 --deadline-s 110 --new-tokens 64 > $OUT/s22_eff32.log 2>&1
-python3 scripts/efficiency_targets.py --root /tmp/gpu/eff32 --profile gpu --out $OUT/s22_eff32.md > /dev/null 2>&1
-grep -E "TPOT|TTFT" $OUT/s22_eff32.md
+bash $s targets s22_eff32 32768 full,ems 130
