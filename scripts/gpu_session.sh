@@ -101,8 +101,6 @@ ab)     # one script run with an old copy of kvbench, then with this checkout, e
     echo "== $version"
     PYTHONPATH=$path timeout 250 python3 "$@" 2>&1 | grep -vE "^(Loading|USDT)"
   done ;;
-targets)
-  python3 scripts/efficiency_targets.py --root $work/eff --profile gpu --out $work/targets.md ;;
 pack)
   tar czf $OUT/gpu.tar.gz -C $(dirname $work) $(basename $work); ls -la $OUT ;;
 *)
