@@ -215,11 +215,17 @@ class PendingStep:
 
 
 @functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (1 off CUDA, where the interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
 def _programs_wanted(device: torch.device) -> int:
     """``WAVES`` programs per multiprocessor: enough splits to keep every multiprocessor streaming the cache."""
     if device.type != "cuda":
         return 8
-    return WAVES * torch.cuda.get_device_properties(device).multi_processor_count
+    return WAVES * multiprocessors(device)
 
 
 MAX_SPLITS = 64  # the combine reduces all of a head's splits in one tile

@@ -47,13 +47,18 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.kernels.lut_attention import NORM_EPS
-from kvbench.kernels.triton_decode import INTERPRETED, PendingStep, combine_splits, split_plan
+from kvbench.kernels.triton_decode import INTERPRETED, PendingStep, combine_splits, multiprocessors, split_plan
 from kvbench.kernels.triton_lut_expand import map_positions, mapped_centres
 
 # (slots a tile, warps, stages) of launches 1 and 3: on an H200 at 32 rows x 8 heads x 3,277 slots, the values'
 # launch took 94 us with 128-slot tiles against 185 with ``triton_decode.DECODE_TILES``' 64 (launch 1: 110 against 108)
 LUT_TILES = (128, 4, 3)
-MEMBER_BLOCK, MEMBER_WARPS = 1024, 4  # table entries and warps per program of launch 2
+# Launch 2's table entries a program: the smallest of MEMBER_BLOCKS that keeps its programs within
+# MEMBER_PROGRAMS_PER_SM a multiprocessor. On an H200, EMS's replayed 32k steps (1 row x 8 heads, 17.7k members a
+# head: 560 programs of 256 entries) took 6.63 ms against 6.73 with 1,024 entries a program, and the 64k call 75.5
+# against 79.3 us; at 32 rows x 8 heads x 8.8k members, 256 entries (8,960 programs) made the call 392.8 us against
+# 371.6 with 1,024 (2,304 programs) (results/gpu/2026-11-30, twenty-second session, calls 1-3).
+MEMBER_BLOCKS, MEMBER_PROGRAMS_PER_SM, MEMBER_WARPS = (256, 512, 1024), 16, 4
 SCALE_BITS = tl.constexpr(896)  # the member sums hold sum_j exp(t_j) * 2^-SCALE_BITS (see Range)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -269,10 +274,13 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, member
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, EVEN_D=D == block_d, UPCAST=INTERPRETED,
         PRECISION=precision, LOOKUP=lookup is not None, num_warps=warps, num_stages=stages,
     )
-    _member_sums[(max(1, triton.cdiv(E, MEMBER_BLOCK)), B * H)](
+    member_block = next((block for block in MEMBER_BLOCKS
+                         if B * H * triton.cdiv(E, block) <= MEMBER_PROGRAMS_PER_SM * multiprocessors(query.device)),
+                        MEMBER_BLOCKS[-1])
+    _member_sums[(max(1, triton.cdiv(E, member_block)), B * H)](
         logits, norms, member_slot, member_norm.float().contiguous(), live, member_sums, position_map, positions,
         centre, lengths, *positions.stride(), *centre.stride(), H, T, E, NORM_EPS, limit, GROUP=group,
-        BLOCK_M=triton.next_power_of_2(group), BLOCK_E=MEMBER_BLOCK, LOOKUP=lookup is not None, num_warps=MEMBER_WARPS,
+        BLOCK_M=triton.next_power_of_2(group), BLOCK_E=member_block, LOOKUP=lookup is not None, num_warps=MEMBER_WARPS,
     )
     _cluster_values[(n_splits, B * H)](
         values, logits, member_sums, lengths, m, l, acc, *values.stride(), H, T, DV, split_size, n_splits,

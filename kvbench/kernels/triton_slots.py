@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvbench.kernels.triton_decode import multiprocessors
+
 BLOCK_C = 16384  # slots per tile of the scan: a row of up to 16k slots is one vector load per pass
 WARPS = 16
 NO_POSITION = tl.constexpr(2**63 - 1)  # above every real position
@@ -348,8 +350,7 @@ def row_blocks(rows: int, C: int, tile: int, device: torch.device) -> tuple[int,
     """Split each of ``rows`` rows of C slots into blocks of whole tiles, enough to fill the device: (number
     of blocks per row, slots per block). A kernel that reads every key of a row (a best-match search) runs one
     program per (row, block), so that a batch of one still spreads over the multiprocessors."""
-    programs = CPU_PROGRAMS if device.type != "cuda" else (
-        PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    programs = CPU_PROGRAMS if device.type != "cuda" else PROGRAMS_PER_SM * multiprocessors(device)
     wanted = max(1, min(triton.cdiv(programs, rows), triton.cdiv(C, tile)))
     span = triton.cdiv(triton.cdiv(C, wanted), tile) * tile
     return triton.cdiv(C, span), span

@@ -20,7 +20,7 @@ SHAPES = [  # B, H, group, T, E, D, D_v
     (2, 3, 1, 37, 70, 12, 20),
     (1, 2, 4, 300, 700, 64, 64),
     (2, 2, 3, 65, 0, 16, 16),
-    (1, 2, 2, 130, 2100, 16, 8),  # a table of three member splits (``MEMBER_BLOCK``)
+    (1, 2, 2, 130, 2100, 16, 8),  # a table of several member splits (five of ``MEMBER_BLOCKS``' 512 on the CPU)
 ]
 LAYOUTS = ("random", "one_centre", "none_live")
 
