@@ -90,12 +90,14 @@ def _compact(mask: Tensor) -> tuple[Tensor, Tensor]:
     return true_first(mask)[..., :n], count
 
 
-def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """For every source slot, the target slot of the same row whose key has the highest cosine similarity.
 
     keys: (B, H, T, D); sources, targets: (B, H, T) bool (e.g. evicted and kept slots).
     Only the |sources| x |targets| block is computed, ``chunk`` source slots at a time: memory
-    O(B H chunk |targets|), time O(B H |sources| |targets| D).
+    O(B H chunk |targets|), time O(B H |sources| |targets| D). 512 rather than 1,024: D2O's prefill search on the
+    CPU at a 4k SmolLM2 prompt (3,277 sources x 819 targets a head) took 16-20 ms against 27-31 (the block stays
+    nearer the cores' caches); the same float32 products at any chunk.
 
     Returns (similarity, match), both (B, H, T): float32 cos(k_s, k_match(s)) on source slots, -inf elsewhere
     (also for sources of a row without targets); match = the target's slot index, -1 where similarity is

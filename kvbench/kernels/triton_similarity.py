@@ -178,7 +178,7 @@ def anchor_runs(keys: Tensor, mergeable: Tensor, lengths: Tensor, epsilon: float
     return run_ids(joins.bool(), lengths)
 
 
-def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """Triton ``similarity.best_match_cosine`` (``chunk`` is the reference's memory knob): (similarity, match),
     both (B, H, T). No host synchronisation: idle source tiles of short rows return at once."""
     source_slots = true_first(sources)
@@ -189,7 +189,7 @@ def best_match_cosine(keys: Tensor, sources: Tensor, targets: Tensor, chunk: int
 
 
 def most_redundant(raw_keys: Tensor, values: Tensor, sources: Tensor, source_count: Tensor, targets: Tensor,
-                   target_count: Tensor, similarity: str, chunk: int = 1024) -> tuple[Tensor, Tensor]:
+                   target_count: Tensor, similarity: str, chunk: int = 512) -> tuple[Tensor, Tensor]:
     """Triton ``redundancy.most_redundant`` (``chunk`` is the reference's memory knob): (best, match) (B, H, M)."""
     features = compared(raw_keys, values, similarity)
     return _best_matches(features[0], features[1] if len(features) > 1 else None, sources, source_count, targets,
