@@ -197,13 +197,14 @@ def _cluster_values(
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    if WANT_STEP:  # the loop below reads z as other threads of this program stored it above: once, not per tile
+        tl.debug_barrier()
     for n0 in range(start, stop, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         real = cols < stop
         at = q_rows[:, None] * T + cols[None, :]
         tile = head_ok[:, None] & real[None, :]
-        if WANT_STEP:  # z as stored above, by other threads of this program
-            tl.debug_barrier()
+        if WANT_STEP:
             z = tl.load(logit_ptr + at, mask=tile, other=float("-inf"))
         else:
             z = _cluster_logits(logit_ptr, sum_ptr, at, tile)
