@@ -32,7 +32,10 @@ tests)  # the fast suite with the CUDA tests on (Triton kernels compiled against
         # host (2026-11-29: 71 % in 540 s), each with its half as pytest arguments:
         #   bash $s tests tests/kernels tests/methods tests/prefill tests/report
         #   bash $s tests tests/tasks tests/test_*.py
-        # One line per test, so a run stopped by the limit still names its failures
+        # One line per test, so a run stopped by the limit still names its failures. Keep each folder's paths together:
+        # the image's pytest 9.1.1 drops tests/kernels/conftest.py's fixtures (the GPU model, the CUDA default device)
+        # for a kernels file listed after a file of another folder (pytest-dev/pytest#14964, fixed in 9.2; seen here
+        # 2026-11-30, results/gpu/2026-11-30/logs/s23_call7_order.txt)
   export KVBENCH_KERNEL_TESTS=${KVBENCH_KERNEL_TESTS:-cuda}
   timeout 540 python3 -m pytest -v -p no:cacheprovider -p tests.report_failures_now -rs --junitxml=$OUT/tests.xml "$@" > $OUT/tests.log 2>&1
   echo "fast suite (KVBENCH_KERNEL_TESTS=$KVBENCH_KERNEL_TESTS) rc=$?"; grep -E "(FAILED|ERROR)|passed|failed" $OUT/tests.log ;;
